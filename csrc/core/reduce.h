@@ -1,0 +1,24 @@
+// Plain C++17 reductions over raw buffers. No Python or TensorFlow headers:
+// csrc/bindings and csrc/tf_ops call these with pointers and lengths.
+#pragma once
+
+#include <cstddef>
+
+namespace dsgd {
+
+// out[k] = (inputs[0][k] + inputs[1][k] + ... + inputs[n-1][k]) * scale
+//
+// The sum runs left to right over the inputs, in the element type, and is
+// scaled once at the end, so the result is bit-identical to numpy's
+// `functools.reduce(np.add, inputs) * scale` for the same type. `out` may
+// alias inputs[0]. Work is split over up to `max_threads` threads in blocks
+// of at least kMinElementsPerThread elements; max_threads <= 0 means
+// hardware_concurrency(). Blocks until done.
+template <typename T>
+void SumScaled(const T* const* inputs, std::size_t num_inputs, std::size_t length,
+               T scale, T* out, int max_threads);
+
+// Threads are only worth starting for large buffers.
+constexpr std::size_t kMinElementsPerThread = 1 << 18;
+
+}  // namespace dsgd

@@ -1,0 +1,18 @@
+"""dsgd: synchronous data-parallel SGD for TensorFlow/Keras on Ray."""
+
+from dsgd.errors import DsgdError, ModelMismatchError, ResourceError, StepTimeoutError
+from dsgd.model import KerasModel, Model
+from dsgd.sgd import DistributedSGD
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DistributedSGD",
+    "Model",
+    "KerasModel",
+    "DsgdError",
+    "StepTimeoutError",
+    "ResourceError",
+    "ModelMismatchError",
+    "__version__",
+]

@@ -1,0 +1,21 @@
+"""Every tunable default of dsgd, with its unit, in one place."""
+
+STRATEGIES = ("simple", "ps")
+# Local allreduce across one worker's devices; see dsgd/allreduce.py.
+ALL_REDUCE_ALGS = ("simple", "tree", "nccl")
+
+DEFAULT_GRAD_SHARD_BYTES = 10_000_000
+# A step that has not finished after this long raises StepTimeoutError.
+DEFAULT_STEP_TIMEOUT_S = 600.0
+# Worker start-up (import TensorFlow, build replicas) must finish within this.
+DEFAULT_START_TIMEOUT_S = 600.0
+# Small driver-side calls: weights, checkpoints, foreach_*.
+DEFAULT_CALL_TIMEOUT_S = 600.0
+# CPUs Ray reserves for each worker actor (its devices run in that process).
+DEFAULT_NUM_CPUS_PER_WORKER = 1
+# PS actors only sum buffers; they reserve no CPU slot so that they never keep
+# a worker from being scheduled on a small node.
+PS_NUM_CPUS = 0
+
+WORKER_NAME_PREFIX = "dsgd-worker-"
+PS_NAME_PREFIX = "dsgd-ps-"

@@ -1,0 +1,126 @@
+"""The replica interface (`Model`) and the ready-made `KerasModel`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+class Model:
+    """One model replica. dsgd builds one per device by calling
+    `model_creator(worker_index, device_index)` inside `tf.device(<device>)` and
+    `tf.name_scope(f"device_{i}")`; build every variable there (in `__init__`)
+    so it lives on that device.
+
+    Subclasses implement `get_loss` and `get_optimizer`. If they set
+    `self.model` to a Keras model, the defaults of `get_variables` and the
+    weight accessors use it.
+    """
+
+    def get_loss(self, batch: Any):
+        """Scalar mean loss of one batch (a `tf.Tensor`).
+
+        Traced into the worker's compiled step (`tf.function`): use TensorFlow
+        ops on `batch`, not Python side effects. `batch` is what `get_batch`
+        returned, converted to tensors.
+        """
+        raise NotImplementedError("dsgd.Model subclasses must implement get_loss(batch)")
+
+    def get_optimizer(self):
+        """The Keras optimizer of this replica. Return the same object on every
+        call, and a different object for every replica."""
+        raise NotImplementedError("dsgd.Model subclasses must implement get_optimizer()")
+
+    def get_variables(self) -> list:
+        """Trainable variables, in a fixed order that is the same on every replica."""
+        model = getattr(self, "model", None)
+        if model is None:
+            raise NotImplementedError("override get_variables() or set self.model to a Keras model")
+        return list(model.trainable_variables)
+
+    def get_batch(self) -> Any:
+        """Next batch for `get_loss`; runs eagerly in Python, once per step. Default: None
+        (for a `get_loss` that reads its own input pipeline)."""
+        return None
+
+    def get_metrics(self) -> dict[str, float]:
+        """Optional evaluation, run eagerly on request; default: no metrics."""
+        return {}
+
+    def get_weights(self) -> list[np.ndarray]:
+        """Copies of the trainable variables' values, in `get_variables()` order."""
+        return [np.array(v.numpy()) for v in self.get_variables()]
+
+    def set_weights(self, weights: list[np.ndarray]) -> None:
+        variables = self.get_variables()
+        if len(weights) != len(variables):
+            raise ValueError(f"set_weights: got {len(weights)} arrays for {len(variables)} variables")
+        for i, (v, w) in enumerate(zip(variables, weights)):
+            w = np.asarray(w)
+            if tuple(w.shape) != tuple(v.shape):
+                raise ValueError(f"set_weights: array {i} has shape {tuple(w.shape)} but variable "
+                                 f"{i} ({_name(v)}) has shape {tuple(v.shape)}")
+            v.assign(w.astype(_np_dtype(v), copy=False))
+
+
+class KerasModel(Model):
+    """A plain Keras model trained on a `tf.data.Dataset` of `(x, y)` batches.
+
+    Args:
+        model: a `keras.Model`; built here from the dataset's element spec if needed.
+        loss_fn: a Keras loss (object, function or name) called as `loss_fn(y, y_pred)`;
+            per-example losses are averaged. The model's own `losses` are added.
+        optimizer: a Keras optimizer (or its name). Create it inside `model_creator`
+            so every replica has its own.
+        dataset: yields `(x, y)` batches (the per-replica batch size is the
+            dataset's); repeated forever. Shard it by `(worker_index, device_index)`
+            so replicas see different data.
+    """
+
+    def __init__(self, model, loss_fn, optimizer, dataset):
+        import keras
+        import tensorflow as tf
+
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"KerasModel: `model` must be a keras.Model, got {type(model).__name__}")
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(f"KerasModel: `dataset` must be a tf.data.Dataset, got {type(dataset).__name__}")
+        self.model = model
+        self.loss_fn = keras.losses.get(loss_fn) if isinstance(loss_fn, str) else loss_fn
+        if not callable(self.loss_fn):
+            raise TypeError(f"KerasModel: `loss_fn` must be callable or a Keras loss name, got {loss_fn!r}")
+        self.optimizer = keras.optimizers.get(optimizer)
+        self.dataset = dataset
+        self._iterator = None
+        if not model.built:
+            spec = dataset.element_spec
+            x_spec = spec[0] if isinstance(spec, (tuple, list)) else spec
+            model.build(tuple(x_spec.shape))
+
+    def get_loss(self, batch):
+        import tensorflow as tf
+
+        x, y = batch[0], batch[1]
+        per_example = self.loss_fn(y, self.model(x, training=True))
+        loss = tf.reduce_mean(per_example)
+        if self.model.losses:
+            loss = loss + tf.add_n(self.model.losses)
+        return loss
+
+    def get_optimizer(self):
+        return self.optimizer
+
+    def get_batch(self):
+        if self._iterator is None:
+            self._iterator = iter(self.dataset.repeat())
+        return next(self._iterator)
+
+
+def _name(variable) -> str:
+    return getattr(variable, "path", None) or getattr(variable, "name", "?")
+
+
+def _np_dtype(variable):
+    dtype = variable.dtype
+    return np.dtype(getattr(dtype, "as_numpy_dtype", dtype))

@@ -1,0 +1,188 @@
+"""A worker's replicas and its compiled step (no Ray here).
+
+`Replicas` builds one replica per device, checks that they agree, and owns the
+`tf.function`s of a step. The worker actor (dsgd/worker.py) drives it; it can
+also be used in-process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import numpy as np
+
+from dsgd import allreduce
+from dsgd.errors import DsgdError, ModelMismatchError, ResourceError
+from dsgd.model import Model, _name
+from dsgd.sharding import ShardPlan
+
+
+class Replicas:
+    def __init__(self, model_creator: Callable[[int, int], Model], worker_index: int,
+                 devices_per_worker: int, gpu: bool, all_reduce_alg: str):
+        self.model_creator = model_creator
+        self.worker_index = worker_index
+        self.num_devices = devices_per_worker
+        self.gpu = gpu
+        self.all_reduce_alg = all_reduce_alg
+        self.replicas: list[Model] = []
+        self.plan: ShardPlan | None = None
+
+    def setup(self) -> dict:
+        """Configure devices and build the replicas. Returns the variable signature
+        (names, shapes, dtypes) the driver compares across workers."""
+        import tensorflow as tf
+
+        self.devices = _configure_devices(self.num_devices, self.gpu)
+        for i, device in enumerate(self.devices):
+            with tf.device(device), tf.name_scope(f"device_{i}"):
+                replica = self.model_creator(self.worker_index, i)
+                if not isinstance(replica, Model):
+                    raise TypeError(f"model_creator({self.worker_index}, {i}) must return a "
+                                    f"dsgd.Model, got {type(replica).__name__}")
+                variables = list(replica.get_variables())
+                optimizer = replica.get_optimizer()
+                if not variables:
+                    raise ModelMismatchError(f"replica (worker {self.worker_index}, device {i}) "
+                                             "has no trainable variables")
+                # Slots are created now, on this device, so that checkpoints and
+                # weight broadcasts see the full optimizer state before step 1.
+                optimizer.build(variables)
+            self.replicas.append(replica)
+        self.variables = [list(r.get_variables()) for r in self.replicas]
+        self.optimizers = [r.get_optimizer() for r in self.replicas]
+        self._check_replicas_agree()
+        return {
+            "names": [_name(v) for v in self.variables[0]],
+            "shapes": [tuple(int(d) for d in v.shape) for v in self.variables[0]],
+            "dtypes": [_dtype_name(v) for v in self.variables[0]],
+            "devices": list(self.devices),
+            "pid": os.getpid(),
+        }
+
+    def _check_replicas_agree(self) -> None:
+        first = self.variables[0]
+        seen = {id(v): 0 for v in first}
+        for i in range(1, len(self.replicas)):
+            where = f"worker {self.worker_index}: replica {i}"
+            variables = self.variables[i]
+            if len(variables) != len(first):
+                raise ModelMismatchError(f"{where} has {len(variables)} variables but replica 0 "
+                                         f"has {len(first)}")
+            for k, (a, b) in enumerate(zip(first, variables)):
+                if tuple(a.shape) != tuple(b.shape) or _dtype_name(a) != _dtype_name(b):
+                    raise ModelMismatchError(
+                        f"{where}: variable {k} ({_name(b)}) is {_dtype_name(b)}{tuple(b.shape)} but "
+                        f"replica 0's ({_name(a)}) is {_dtype_name(a)}{tuple(a.shape)}")
+                if id(b) in seen:
+                    raise ModelMismatchError(
+                        f"{where} shares variable {k} ({_name(b)}) with replica {seen[id(b)]}: "
+                        "model_creator must build a new model on every call")
+                seen[id(b)] = i
+            if any(self.optimizers[i] is o for o in self.optimizers[:i]):
+                raise ModelMismatchError(f"{where} shares its optimizer with another replica: "
+                                         "create the optimizer inside model_creator")
+
+    def configure(self, plan: ShardPlan) -> None:
+        """Compile the step functions for this shard plan."""
+        import tensorflow as tf
+
+        self.plan = plan
+        self._local_step_fn = tf.function(self._local_step_graph, reduce_retracing=True)
+        self._compute_fn = tf.function(self._compute_graph, reduce_retracing=True)
+        self._apply_fn = tf.function(self._apply_graph, reduce_retracing=True)
+
+    def _replica_means(self, batches):
+        import tensorflow as tf
+
+        losses, grads = [], []
+        for i, (replica, batch) in enumerate(zip(self.replicas, batches)):
+            with tf.device(self.devices[i]), tf.name_scope(f"device_{i}"):
+                with tf.GradientTape() as tape:
+                    loss = replica.get_loss(batch)
+                loss = tf.convert_to_tensor(loss)
+                if loss.shape.rank != 0:
+                    raise ValueError(f"get_loss must return a scalar, got shape {loss.shape}")
+                raw = tape.gradient(loss, self.variables[i])
+                grads.append([tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
+                              for g, v in zip(raw, self.variables[i])])
+                losses.append(tf.cast(loss, tf.float32))
+        means = allreduce.mean_across_devices(grads, self.devices, self.all_reduce_alg)
+        return tf.stack(losses), means
+
+    def _apply_means(self, means) -> None:
+        import tensorflow as tf
+
+        for i, (optimizer, variables) in enumerate(zip(self.optimizers, self.variables)):
+            with tf.device(self.devices[i]):
+                optimizer.apply_gradients(zip(means[i], variables))
+
+    def _local_step_graph(self, batches):
+        losses, means = self._replica_means(batches)
+        self._apply_means(means)
+        return losses
+
+    def _compute_graph(self, batches):
+        import tensorflow as tf
+
+        losses, means = self._replica_means(batches)
+        flat = [tf.reshape(g, [-1]) for g in means[0]]
+        shards = []
+        for shard in self.plan.shards:
+            parts = [flat[p.var_index][p.var_offset:p.var_offset + p.length] for p in shard.pieces]
+            shards.append(parts[0] if len(parts) == 1 else tf.concat(parts, axis=0))
+        return losses, shards
+
+    def _apply_graph(self, shards):
+        import tensorflow as tf
+
+        grads = []
+        for v, shape in enumerate(self.plan.shapes):
+            parts = [shards[j][p.shard_offset:p.shard_offset + p.length]
+                     for j, p in self.plan.pieces_of(v)]
+            flat = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
+            grads.append(tf.reshape(flat, shape))
+        self._apply_means([grads] * len(self.replicas))
+
+    def next_batches(self) -> list:
+        import tensorflow as tf
+
+        batches = []
+        for replica in self.replicas:
+            batch = replica.get_batch()
+            batches.append(None if batch is None else tf.nest.map_structure(tf.convert_to_tensor, batch))
+        return batches
+
+
+def _configure_devices(num: int, gpu: bool) -> list[str]:
+    import tensorflow as tf
+
+    if gpu:
+        gpus = tf.config.list_physical_devices("GPU")
+        if len(gpus) < num:
+            raise ResourceError(f"devices_per_worker={num} with gpu=True, but this worker sees "
+                                f"{len(gpus)} GPU(s) (CUDA_VISIBLE_DEVICES="
+                                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        for g in gpus:
+            try:
+                tf.config.experimental.set_memory_growth(g, True)
+            except RuntimeError:
+                pass  # already initialised; growth then stays as it was
+        return [f"/device:GPU:{i}" for i in range(num)]
+    if num > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num)])
+        except RuntimeError as e:
+            have = len(tf.config.list_logical_devices("CPU"))
+            if have < num:
+                raise DsgdError(f"cannot split the CPU into {num} logical devices: TensorFlow "
+                                f"was already initialised in this process with {have}") from e
+    return [f"/device:CPU:{i}" for i in range(num)]
+
+
+def _dtype_name(variable) -> str:
+    dtype = variable.dtype
+    return np.dtype(getattr(dtype, "as_numpy_dtype", dtype)).name

@@ -1,0 +1,338 @@
+"""`DistributedSGD`: the driver. It plans shards, starts actors and drives steps;
+workers and PS actors only execute."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+
+from dsgd import checkpoint, constants
+from dsgd.allreduce import check_algorithm
+from dsgd.errors import DsgdError, ModelMismatchError, ResourceError, StepTimeoutError
+from dsgd.model import Model
+from dsgd.param_server import ParameterServer, mean_of
+from dsgd.sharding import ShardPlan, assign_shards, plan_shards, whole_plan
+from dsgd.worker import Worker
+
+logger = logging.getLogger("dsgd")
+
+
+class DistributedSGD:
+    """Synchronous data-parallel SGD over Ray actors.
+
+    Builds `num_workers` worker actors with `devices_per_worker` replicas each,
+    broadcasts worker 0 / replica 0's weights to every replica, and on each
+    `step()` applies the mean gradient over all replicas to every replica.
+
+    Args:
+        model_creator: `(worker_index, device_index) -> dsgd.Model`, called in each
+            worker under the replica's `tf.device` and `tf.name_scope(f"device_{i}")`.
+        num_workers: worker actors (Ray processes).
+        devices_per_worker: replicas per worker: GPUs with `gpu=True`, else logical
+            CPU devices carved out of the worker's CPU.
+        gpu: ask Ray for `devices_per_worker` GPUs per worker.
+        strategy: "ps" (sharded parameter servers) or "simple" (the driver averages
+            whole gradients; the reference path).
+        grad_shard_bytes: largest gradient shard, in bytes ("ps").
+        all_reduce_alg: local allreduce across a worker's devices, one of
+            `dsgd.constants.ALL_REDUCE_ALGS`.
+        num_ps: PS actors ("ps"); default one per shard, at most `num_workers`.
+        num_cpus_per_worker: CPUs Ray reserves for each worker.
+        step_timeout_s: longest wait for one step (or one call) before
+            `StepTimeoutError`, in seconds.
+        start_timeout_s: longest wait for the workers to start and build replicas.
+
+    Raises, before any actor starts: TypeError/ValueError for bad arguments,
+    `ResourceError` when the cluster cannot hold the workers.
+    """
+
+    def __init__(self, model_creator: Callable[[int, int], Model], num_workers: int,
+                 devices_per_worker: int, gpu: bool = True, strategy: str = "ps",
+                 grad_shard_bytes: int = constants.DEFAULT_GRAD_SHARD_BYTES,
+                 all_reduce_alg: str = "simple", num_ps: int | None = None, *,
+                 num_cpus_per_worker: float = constants.DEFAULT_NUM_CPUS_PER_WORKER,
+                 step_timeout_s: float = constants.DEFAULT_STEP_TIMEOUT_S,
+                 start_timeout_s: float = constants.DEFAULT_START_TIMEOUT_S):
+        _check_args(model_creator, num_workers, devices_per_worker, gpu, strategy,
+                    grad_shard_bytes, all_reduce_alg, num_ps, num_cpus_per_worker,
+                    step_timeout_s, start_timeout_s)
+        import ray
+
+        if not ray.is_initialized():
+            ray.init()
+        self.num_workers = num_workers
+        self.devices_per_worker = devices_per_worker
+        self.gpu = gpu
+        self.strategy = strategy
+        self.grad_shard_bytes = grad_shard_bytes
+        self.all_reduce_alg = all_reduce_alg
+        self.step_timeout_s = float(step_timeout_s)
+        self.steps_done = 0
+        self.workers: list = []
+        self.ps_actors: list = []
+        self._names: dict = {}  # actor handle id -> readable name
+        self._suffix = uuid.uuid4().hex[:6]
+        _check_resources(num_workers, devices_per_worker, gpu, num_cpus_per_worker)
+        try:
+            self._start_workers(model_creator, num_cpus_per_worker, start_timeout_s)
+            self._start_ps(num_ps, start_timeout_s)
+            self.set_weights(self.get_weights())  # everyone starts from worker 0 / replica 0
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- construction ---------------------------------------------------------------
+    def _start_workers(self, model_creator, num_cpus: float, timeout_s: float) -> None:
+        import ray
+
+        options = {"num_cpus": num_cpus, "scheduling_strategy": "SPREAD"}
+        if self.gpu:
+            options["num_gpus"] = self.devices_per_worker
+        worker_cls = ray.remote(Worker)
+        for i in range(self.num_workers):
+            name = f"{constants.WORKER_NAME_PREFIX}{i}-{self._suffix}"
+            handle = worker_cls.options(name=name, **options).remote(
+                model_creator, i, self.devices_per_worker, self.gpu, self.all_reduce_alg)
+            self.workers.append(handle)
+            self._names[id(handle)] = name
+        refs = [w.setup.remote() for w in self.workers]
+        self.worker_info = self._wait(refs, self.workers, "starting (setup: import TensorFlow, "
+                                      "build replicas)", timeout_s)
+        first = self.worker_info[0]
+        for i, info in enumerate(self.worker_info[1:], start=1):
+            if info["shapes"] != first["shapes"] or info["dtypes"] != first["dtypes"]:
+                k = next((k for k, (a, b) in enumerate(zip(info["shapes"], first["shapes"]))
+                          if a != b or info["dtypes"][k] != first["dtypes"][k]),
+                         min(len(info["shapes"]), len(first["shapes"])))
+                raise ModelMismatchError(
+                    f"worker {i}'s replicas have {len(info['shapes'])} variables, worker 0's have "
+                    f"{len(first['shapes'])}; first difference at variable {k}: "
+                    f"{_describe(info, k)} vs {_describe(first, k)}")
+        shapes, dtypes = first["shapes"], first["dtypes"]
+        if self.strategy == "ps":
+            self.plan: ShardPlan = plan_shards(shapes, dtypes, self.grad_shard_bytes)
+        else:
+            self.plan = whole_plan(shapes, dtypes)
+        self._wait([w.configure.remote(self.plan) for w in self.workers], self.workers,
+                   "compiling the step", timeout_s)
+
+    def _start_ps(self, num_ps: int | None, timeout_s: float) -> None:
+        import ray
+
+        self.ps_assignment: list[int] = []
+        if self.strategy != "ps" or self.num_workers == 1:
+            return
+        num_shards = self.plan.num_shards
+        if num_ps is None:
+            num_ps = min(num_shards, self.num_workers)
+        elif num_ps > num_shards:
+            logger.warning("num_ps=%d but the gradients make only %d shard(s); %d PS actor(s) "
+                           "will idle (lower grad_shard_bytes to make more shards)",
+                           num_ps, num_shards, num_ps - num_shards)
+        self.ps_assignment = assign_shards([s.nbytes for s in self.plan.shards], num_ps)
+        ps_cls = ray.remote(ParameterServer)
+        for j in range(num_ps):
+            name = f"{constants.PS_NAME_PREFIX}{j}-{self._suffix}"
+            handle = ps_cls.options(name=name, num_cpus=constants.PS_NUM_CPUS,
+                                    scheduling_strategy="SPREAD").remote(j)
+            self.ps_actors.append(handle)
+            self._names[id(handle)] = name
+        self.ps_info = self._wait([p.ready.remote() for p in self.ps_actors], self.ps_actors,
+                                  "starting", timeout_s)
+
+    # ---- stepping -------------------------------------------------------------------
+    def step(self, fetch_stats: bool = False) -> dict | None:
+        """Run one synchronous step on every replica. Blocks until every replica
+        has applied the step's mean gradient, at most `step_timeout_s`.
+
+        Returns None, or with `fetch_stats=True` a dict: `loss` (mean over all
+        replicas of their losses before the update), and timings in seconds:
+        `compute_s` (slowest worker's gradient computation, local allreduce and
+        packing), `apply_s` (slowest worker's optimizer update), `exchange_s`
+        (the rest of `step_s`: moving shards and averaging them) and `step_s`
+        (driver wall time).
+        """
+        start = time.perf_counter()
+        if self.num_workers == 1:
+            infos = self._wait([self.workers[0].local_step.remote()], self.workers,
+                               f"step {self.steps_done + 1}", self.step_timeout_s)
+            applied = [{"apply_s": 0.0}]
+        else:
+            infos, applied = self._exchange_step(start)
+        self.steps_done += 1
+        if not fetch_stats:
+            return None
+        step_s = time.perf_counter() - start
+        losses = [x for info in infos for x in info["losses"]]
+        compute_s = max(info["compute_s"] for info in infos)
+        apply_s = max(a["apply_s"] for a in applied)
+        return {"loss": float(np.mean(losses)), "compute_s": compute_s,
+                "exchange_s": max(0.0, step_s - compute_s - apply_s), "apply_s": apply_s,
+                "step_s": step_s, "step": self.steps_done}
+
+    def _exchange_step(self, start: float):
+        import ray
+
+        label = f"step {self.steps_done + 1}"
+        num_shards = self.plan.num_shards
+        computed = [w.compute.options(num_returns=num_shards + 1).remote() for w in self.workers]
+        info_refs = [refs[0] for refs in computed]
+        if self.strategy == "ps":
+            mean_refs = [self.ps_actors[self.ps_assignment[j]].mean.remote(
+                *[refs[1 + j] for refs in computed]) for j in range(num_shards)]
+        else:
+            grads = self._wait([ref for refs in computed for ref in refs[1:]],
+                               [w for w in self.workers for _ in range(num_shards)],
+                               f"{label}: computing gradients", self._time_left(start))
+            mean_refs = [ray.put(mean_of([grads[w * num_shards + j] for w in range(self.num_workers)]))
+                         for j in range(num_shards)]
+        applied_refs = [w.apply.remote(*mean_refs) for w in self.workers]
+        owners = self.workers + self.workers
+        results = self._wait(info_refs + applied_refs, owners, label, self._time_left(start))
+        return results[:self.num_workers], results[self.num_workers:]
+
+    def _time_left(self, start: float) -> float:
+        return max(0.001, self.step_timeout_s - (time.perf_counter() - start))
+
+    def _wait(self, refs: list, owners: list, what: str, timeout_s: float) -> list:
+        """ray.get with a deadline; a timeout names the actors that did not answer."""
+        import ray
+
+        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            late = sorted({self._names.get(id(owners[refs.index(r)]), "?") for r in pending})
+            raise StepTimeoutError(
+                f"{what}: no answer after {timeout_s:.1f} s from {', '.join(late)}. "
+                f"Cluster resources available now: {ray.available_resources()}")
+        return ray.get(refs, timeout=timeout_s)
+
+    # ---- state ----------------------------------------------------------------------
+    def foreach_worker(self, fn: Callable[[Worker], Any]) -> list:
+        """fn(worker) on every worker actor, in worker order. Blocks."""
+        return self._call_all("foreach_worker", fn)
+
+    def foreach_model(self, fn: Callable[[Model], Any]) -> list:
+        """fn(replica) on every replica; flat list, worker-major. Blocks."""
+        return [x for per_worker in self._call_all("foreach_model", fn) for x in per_worker]
+
+    def for_model(self, fn: Callable[[Model], Any]) -> Any:
+        """fn on worker 0, replica 0. Blocks."""
+        return self._wait([self.workers[0].foreach_model.remote(fn)], self.workers[:1],
+                          "for_model", self.step_timeout_s)[0][0]
+
+    def get_weights(self) -> list[np.ndarray]:
+        """Worker 0 / replica 0's trainable weights (every replica holds the same)."""
+        return self._wait([self.workers[0].get_weights.remote()], self.workers[:1],
+                          "get_weights", self.step_timeout_s)[0]
+
+    def set_weights(self, weights: list[np.ndarray]) -> None:
+        """Set the trainable weights of every replica (one object-store copy)."""
+        import ray
+
+        ref = ray.put(list(weights))
+        self._wait([w.set_weights.remote(ref) for w in self.workers], self.workers,
+                   "set_weights", self.step_timeout_s)
+
+    def save_checkpoint(self, path: str) -> str:
+        """Write weights, optimizer state and step count under path prefix `path`
+        (files `path.index`, `path.data-*`, `path.dsgd.json`). Returns `path`."""
+        files = self._wait([self.workers[0].save_checkpoint.remote(self.steps_done)],
+                           self.workers[:1], "save_checkpoint", self.step_timeout_s)[0]
+        meta = {"step": self.steps_done, "num_workers": self.num_workers,
+                "devices_per_worker": self.devices_per_worker, "strategy": self.strategy,
+                "grad_shard_bytes": self.grad_shard_bytes, "all_reduce_alg": self.all_reduce_alg,
+                "variables": {"shapes": [list(s) for s in self.plan.shapes],
+                              "dtypes": list(self.plan.dtypes)}}
+        return checkpoint.write(path, files, meta)
+
+    def restore_checkpoint(self, path: str) -> None:
+        """Load a checkpoint written by `save_checkpoint` into every replica (any
+        number of workers). A checkpoint that does not fit the model raises
+        ModelMismatchError before any replica changes."""
+        import ray
+
+        files, _ = checkpoint.read(path)
+        ref = ray.put(files)
+        steps = self._call_all("restore_checkpoint", ref)
+        self.steps_done = int(steps[0])
+
+    def _call_all(self, method: str, *args) -> list:
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        return self._wait(refs, self.workers, method, self.step_timeout_s)
+
+    def shutdown(self) -> None:
+        """Kill every actor. Idempotent."""
+        import ray
+
+        for handle in self.workers + self.ps_actors:
+            try:
+                ray.kill(handle)
+            except Exception:  # already dead
+                pass
+        self.workers, self.ps_actors = [], []
+
+    def __enter__(self) -> "DistributedSGD":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _describe(info: dict, k: int) -> str:
+    if k >= len(info["shapes"]):
+        return "(missing)"
+    return f"{info['names'][k]} {info['dtypes'][k]}{tuple(info['shapes'][k])}"
+
+
+def _check_args(model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
+                all_reduce_alg, num_ps, num_cpus_per_worker, step_timeout_s, start_timeout_s):
+    if not callable(model_creator):
+        raise TypeError(f"model_creator must be callable as (worker_index, device_index) -> "
+                        f"dsgd.Model, got {type(model_creator).__name__}")
+
+    def positive_int(name, value):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    positive_int("num_workers", num_workers)
+    positive_int("devices_per_worker", devices_per_worker)
+    positive_int("grad_shard_bytes", grad_shard_bytes)
+    if num_ps is not None:
+        positive_int("num_ps", num_ps)
+    if not isinstance(gpu, bool):
+        raise TypeError(f"gpu must be True or False, got {gpu!r}")
+    if strategy not in constants.STRATEGIES:
+        raise ValueError(f"strategy must be one of {list(constants.STRATEGIES)}, got {strategy!r}")
+    check_algorithm(all_reduce_alg, gpu)
+    for name, value in (("num_cpus_per_worker", num_cpus_per_worker),
+                        ("step_timeout_s", step_timeout_s), ("start_timeout_s", start_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def _check_resources(num_workers: int, devices_per_worker: int, gpu: bool, num_cpus: float) -> None:
+    """Fail fast when the cluster, even empty, cannot place every worker."""
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    need_gpus = devices_per_worker if gpu else 0
+    fit = 0
+    for res in nodes:
+        by_cpu = int(res.get("CPU", 0) // num_cpus) if num_cpus else num_workers
+        by_gpu = int(res.get("GPU", 0) // need_gpus) if need_gpus else num_workers
+        fit += min(by_cpu, by_gpu)
+    if fit >= num_workers:
+        return
+    total_cpu = sum(r.get("CPU", 0) for r in nodes)
+    total_gpu = sum(r.get("GPU", 0) for r in nodes)
+    per_node = ", ".join(f"{r.get('CPU', 0):g} CPU/{r.get('GPU', 0):g} GPU" for r in nodes)
+    hint = " Pass gpu=False to train on CPU devices." if gpu and total_gpu == 0 else ""
+    raise ResourceError(
+        f"asked for {num_workers} worker(s) x ({num_cpus:g} CPU, {need_gpus} GPU) = "
+        f"{num_workers * num_cpus:g} CPU and {num_workers * need_gpus} GPU, each worker's GPUs on one "
+        f"node; the cluster has {total_cpu:g} CPU and {total_gpu:g} GPU in {len(nodes)} node(s) "
+        f"({per_node}) and fits only {fit} worker(s).{hint}")

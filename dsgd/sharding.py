@@ -1,0 +1,137 @@
+"""The gradient shard plan: which slice of which gradient goes where.
+
+Pure Python and numpy, no TensorFlow: the driver computes one plan from the
+variables' shapes and every worker packs and unpacks with it.
+
+Gradients are taken in reverse variable order (the last layers' gradients are
+ready first) and packed greedily into shards of at most `shard_bytes`: small
+tensors are fused into one shard, a tensor larger than the room left is split
+across shards. A shard holds one dtype only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Elements [var_offset, var_offset + length) of the flattened variable
+    `var_index`, stored at [shard_offset, shard_offset + length) of its shard."""
+
+    var_index: int
+    var_offset: int
+    length: int
+    shard_offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    dtype: str
+    pieces: tuple[Piece, ...]
+
+    @property
+    def num_elements(self) -> int:
+        return sum(p.length for p in self.pieces)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_elements * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    shards: tuple[Shard, ...]
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    def pieces_of(self, var_index: int) -> list[tuple[int, Piece]]:
+        """(shard index, piece) of one variable, in variable-offset order."""
+        found = [(j, p) for j, s in enumerate(self.shards) for p in s.pieces
+                 if p.var_index == var_index]
+        return sorted(found, key=lambda jp: jp[1].var_offset)
+
+    def pack(self, flat_arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """numpy reference of the workers' packing (used by tests and the driver)."""
+        return [np.concatenate([flat_arrays[p.var_index][p.var_offset:p.var_offset + p.length]
+                                for p in s.pieces]) for s in self.shards]
+
+    def unpack(self, shards: Sequence[np.ndarray]) -> list[np.ndarray]:
+        out = []
+        for v, shape in enumerate(self.shapes):
+            parts = [shards[j][p.shard_offset:p.shard_offset + p.length]
+                     for j, p in self.pieces_of(v)]
+            flat = np.concatenate(parts) if parts else np.zeros(0, self.dtypes[v])
+            out.append(flat.reshape(shape))
+        return out
+
+
+def plan_shards(shapes: Sequence[Sequence[int]], dtypes: Sequence[str],
+                shard_bytes: int) -> ShardPlan:
+    """Pack variables (in reverse order) into shards of at most `shard_bytes` bytes."""
+    if len(shapes) != len(dtypes):
+        raise ValueError(f"plan_shards: {len(shapes)} shapes but {len(dtypes)} dtypes")
+    if not isinstance(shard_bytes, int) or shard_bytes <= 0:
+        raise ValueError(f"grad_shard_bytes must be a positive int, got {shard_bytes!r}")
+    shards: list[Shard] = []
+    pieces: list[Piece] = []
+    dtype: str | None = None
+    used = 0  # elements in the open shard
+
+    def close():
+        nonlocal pieces, used
+        if pieces:
+            shards.append(Shard(dtype, tuple(pieces)))
+        pieces, used = [], 0
+
+    for v in reversed(range(len(shapes))):
+        itemsize = np.dtype(dtypes[v]).itemsize
+        capacity = shard_bytes // itemsize
+        if capacity == 0:
+            raise ValueError(f"grad_shard_bytes={shard_bytes} is smaller than one element "
+                             f"of variable {v} ({dtypes[v]}, {itemsize} bytes)")
+        if dtypes[v] != dtype:
+            close()
+            dtype = dtypes[v]
+        size = math.prod(shapes[v])
+        offset = 0
+        while offset < size:
+            if used == capacity:
+                close()
+            take = min(size - offset, capacity - used)
+            pieces.append(Piece(v, offset, take, used))
+            used += take
+            offset += take
+    close()
+    return ShardPlan(tuple(tuple(int(d) for d in s) for s in shapes),
+                     tuple(str(d) for d in dtypes), tuple(shards))
+
+
+def whole_plan(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> ShardPlan:
+    """One shard per variable, unsplit: the plan of strategy="simple"."""
+    shards = tuple(Shard(str(dtypes[v]), (Piece(v, 0, math.prod(shapes[v]), 0),))
+                   for v in range(len(shapes)))
+    return ShardPlan(tuple(tuple(int(d) for d in s) for s in shapes),
+                     tuple(str(d) for d in dtypes), shards)
+
+
+def assign_shards(shard_nbytes: Sequence[int], num_ps: int) -> list[int]:
+    """PS index of every shard, balancing bytes: largest shard first onto the
+    least-loaded PS (ties go to the lower index, so the result is deterministic)."""
+    if num_ps < 1:
+        raise ValueError(f"num_ps must be >= 1, got {num_ps}")
+    load = [0] * num_ps
+    owner = [0] * len(shard_nbytes)
+    for j in sorted(range(len(shard_nbytes)), key=lambda j: (-shard_nbytes[j], j)):
+        ps = min(range(num_ps), key=lambda p: (load[p], p))
+        owner[j] = ps
+        load[ps] += shard_nbytes[j]
+    return owner

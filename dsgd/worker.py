@@ -1,0 +1,87 @@
+"""The worker actor: one process holding `devices_per_worker` replicas.
+
+The driver wraps `Worker` with `ray.remote`; it only executes what the driver
+asks. Call order: `setup()` once, `configure(plan)` once, then per step either
+`local_step()` (one worker: no exchange) or `compute()` then `apply(*mean_shards)`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from dsgd import checkpoint
+from dsgd.errors import DsgdError
+from dsgd.model import Model
+from dsgd.replicas import Replicas
+from dsgd.sharding import ShardPlan
+
+
+class Worker:
+    def __init__(self, model_creator: Callable[[int, int], Model], worker_index: int,
+                 devices_per_worker: int, gpu: bool, all_reduce_alg: str):
+        self.worker_index = worker_index
+        self.replicas = Replicas(model_creator, worker_index, devices_per_worker, gpu,
+                                 all_reduce_alg)
+
+    def setup(self) -> dict:
+        """Build the replicas (imports TensorFlow). Returns their variable signature
+        (names, shapes, dtypes), devices, node id and pid."""
+        import ray
+
+        info = self.replicas.setup()
+        info["node_id"] = ray.get_runtime_context().get_node_id()
+        return info
+
+    def configure(self, plan: ShardPlan) -> None:
+        self.replicas.configure(plan)
+
+    def local_step(self) -> dict:
+        """A whole step with no exchange (num_workers == 1). Blocks until applied."""
+        start = time.perf_counter()
+        losses = self.replicas._local_step_fn(self.replicas.next_batches())
+        return {"losses": losses.numpy().tolist(), "compute_s": time.perf_counter() - start}
+
+    def compute(self):
+        """This step's gradients, averaged across local replicas and packed into
+        the plan's shards. Returns (info, shard_0, ..., shard_{S-1}); the driver
+        calls it with num_returns = S + 1 so that each shard is its own object."""
+        start = time.perf_counter()
+        losses, shards = self.replicas._compute_fn(self.replicas.next_batches())
+        arrays = [s.numpy() for s in shards]
+        info = {"losses": losses.numpy().tolist(), "compute_s": time.perf_counter() - start}
+        return (info, *arrays)
+
+    def apply(self, *mean_shards: np.ndarray) -> dict:
+        """Apply the global mean gradient, in shards, to every replica. The shard
+        arrays (read-only object-store views) are read during the call, not kept."""
+        start = time.perf_counter()
+        plan = self.replicas.plan
+        if len(mean_shards) != plan.num_shards:
+            raise DsgdError(f"worker {self.worker_index}: got {len(mean_shards)} shards, "
+                            f"the plan has {plan.num_shards}")
+        self.replicas._apply_fn(list(mean_shards))
+        return {"apply_s": time.perf_counter() - start}
+
+    def get_weights(self) -> list[np.ndarray]:
+        return self.replicas.replicas[0].get_weights()
+
+    def set_weights(self, weights: list[np.ndarray]) -> None:
+        for replica in self.replicas.replicas:
+            replica.set_weights(weights)
+
+    def foreach_model(self, fn: Callable[[Model], Any]) -> list:
+        return [fn(replica) for replica in self.replicas.replicas]
+
+    def foreach_worker(self, fn: Callable[["Worker"], Any]) -> Any:
+        return fn(self)
+
+    def save_checkpoint(self, step: int) -> dict[str, bytes]:
+        """Replica 0's weights and optimizer state as checkpoint files {suffix: bytes}."""
+        return checkpoint.save_files(self.replicas.replicas[0], self.replicas.optimizers[0], step)
+
+    def restore_checkpoint(self, files: dict[str, bytes]) -> int:
+        """Restore every replica from checkpoint files; returns the saved step."""
+        return checkpoint.restore_files(self.replicas.replicas, self.replicas.optimizers, files)
