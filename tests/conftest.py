@@ -1,0 +1,45 @@
+"""One local Ray cluster for the whole session; multi-node tests run last on their own.
+
+Test helper modules are pickled by value so that Ray's worker processes, which
+cannot import `tests/`, receive them with the model_creator.
+"""
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # inherited by Ray's worker processes
+sys.path.insert(0, os.path.dirname(__file__))
+
+import tiny  # noqa: E402
+from ray import cloudpickle  # noqa: E402
+
+cloudpickle.register_pickle_by_value(tiny)
+
+# 4 logical CPUs on a 2-core machine: 2 workers (1 CPU each) plus room; PS actors take none.
+LOCAL_CPUS = 4
+OBJECT_STORE_BYTES = 256 * 2**20
+
+
+def start_local_ray():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=LOCAL_CPUS, object_store_memory=OBJECT_STORE_BYTES,
+                 include_dashboard=False, log_to_driver=False)
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """The shared single-node cluster (started on first use)."""
+    start_local_ray()
+    yield
+
+
+def pytest_collection_modifyitems(config, items):
+    # Test modules define models too; Ray's workers cannot import them by name.
+    for module in {item.module for item in items if getattr(item, "module", None)}:
+        cloudpickle.register_pickle_by_value(module)
+    # The multi-node module shuts the shared cluster down; run it after everything else.
+    items.sort(key=lambda item: item.get_closest_marker("multinode") is not None)

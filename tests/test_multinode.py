@@ -1,0 +1,58 @@
+"""Two Ray nodes with separate object stores (ray.cluster_utils.Cluster): workers
+and PS actors on different nodes give the same exact result as one process."""
+
+import numpy as np
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+import dsgd
+import tiny
+
+pytestmark = pytest.mark.multinode
+
+BATCH, STEPS = 4, 3
+NODE_STORE_BYTES = 100 * 2**20
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    ray.shutdown()  # the shared single-node cluster; this module runs last
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "object_store_memory": NODE_STORE_BYTES, "include_dashboard": False})
+    cluster.add_node(num_cpus=1, object_store_memory=NODE_STORE_BYTES)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.parametrize("strategy,shard_bytes", [("ps", 64), ("simple", 10_000_000)])
+def test_exact_across_nodes(two_nodes, strategy, shard_bytes, tmp_path):
+    assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+    with dsgd.DistributedSGD(tiny.creator(2, BATCH, "sgdm"), 2, 2, gpu=False, strategy=strategy,
+                             grad_shard_bytes=shard_bytes, num_ps=2) as sgd:
+        # One CPU per node and one CPU per worker: the workers must be on different nodes.
+        assert len({info["node_id"] for info in sgd.worker_info}) == 2
+        if strategy == "ps":
+            assert len({info["node_id"] for info in sgd.ps_info}) == 2
+        initial = sgd.get_weights()
+        losses = [sgd.step(fetch_stats=True)["loss"] for _ in range(STEPS)]
+        final = sgd.get_weights()
+        replicas = sgd.foreach_model(lambda m: m.get_weights())
+        # Checkpoints travel through the driver: no shared filesystem needed.
+        path = str(tmp_path / "ckpt")
+        sgd.save_checkpoint(path)
+        sgd.set_weights(initial)
+        sgd.restore_checkpoint(path)
+        restored = sgd.foreach_model(lambda m: m.get_weights())
+    expected, expected_losses = tiny.reference_run(initial, 4, BATCH, STEPS, "sgdm")
+    for got, want in zip(final, expected):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(losses, expected_losses, rtol=0, atol=1e-5)
+    for weights in replicas + restored:
+        for a, b in zip(weights, final):
+            np.testing.assert_array_equal(a, b)

@@ -1,0 +1,87 @@
+"""The shard plan (pure Python): fusing, splitting, order, balance, round trips."""
+
+import math
+
+import numpy as np
+import pytest
+
+from dsgd.sharding import assign_shards, plan_shards, whole_plan
+
+SHAPES = [(5, 7), (7,), (7, 3), (3,)]  # tiny.py's variables: 140, 28, 84, 12 bytes
+
+
+def random_flat(shapes, dtypes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=math.prod(s)).astype(d) for s, d in zip(shapes, dtypes)]
+
+
+MIXED = ["float32", "float64", "float64", "float32"]
+
+
+@pytest.mark.parametrize("shard_bytes,dtypes", [
+    (b, d) for d in (["float32"] * 4, MIXED) for b in (4, 8, 12, 64, 100, 140, 264, 10_000_000)
+    if b >= max(np.dtype(t).itemsize for t in d)])
+def test_round_trip_is_bit_exact(shard_bytes, dtypes):
+    plan = plan_shards(SHAPES, dtypes, shard_bytes)
+    flat = random_flat(SHAPES, dtypes)
+    shards = plan.pack(flat)
+    assert [s.nbytes for s in plan.shards] == [a.nbytes for a in shards]
+    assert all(a.nbytes <= shard_bytes for a in shards)
+    assert all(a.dtype == np.dtype(s.dtype) for a, s in zip(shards, plan.shards))
+    back = plan.unpack(shards)
+    for original, restored, shape in zip(flat, back, SHAPES):
+        assert restored.shape == shape
+        assert restored.dtype == original.dtype
+        np.testing.assert_array_equal(restored.reshape(-1), original)
+
+
+def test_small_tensors_are_fused_in_reverse_order():
+    plan = plan_shards(SHAPES, ["float32"] * 4, 10_000_000)
+    assert plan.num_shards == 1
+    assert [p.var_index for p in plan.shards[0].pieces] == [3, 2, 1, 0]
+    assert [p.shard_offset for p in plan.shards[0].pieces] == [0, 3, 24, 31]
+
+
+def test_large_tensor_is_split_and_shards_are_full():
+    plan = plan_shards(SHAPES, ["float32"] * 4, 64)  # 16 elements per shard
+    assert [s.num_elements for s in plan.shards] == [16, 16, 16, 16, 2]
+    kernel = plan.pieces_of(0)  # 35 elements over four shards, after 3 + 21 + 7 others
+    assert [(j, p.var_offset, p.length) for j, p in kernel] == [
+        (1, 0, 1), (2, 1, 16), (3, 17, 16), (4, 33, 2)]
+    assert {p.var_index for p in plan.shards[0].pieces} == {3, 2}  # bias fused with a kernel slice
+
+
+def test_dtypes_never_share_a_shard():
+    plan = plan_shards(SHAPES, MIXED, 10_000_000)
+    assert [s.dtype for s in plan.shards] == ["float32", "float64", "float32"]
+
+
+def test_shard_smaller_than_element():
+    with pytest.raises(ValueError, match="grad_shard_bytes=2 is smaller than one element"):
+        plan_shards(SHAPES, ["float32"] * 4, 2)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, None])
+def test_bad_shard_bytes(bad):
+    with pytest.raises(ValueError, match="grad_shard_bytes must be a positive int"):
+        plan_shards(SHAPES, ["float32"] * 4, bad)
+
+
+def test_whole_plan_is_one_unsplit_shard_per_variable():
+    plan = whole_plan(SHAPES, ["float32"] * 4)
+    assert plan.num_shards == 4
+    flat = random_flat(SHAPES, ["float32"] * 4)
+    for a, b in zip(plan.pack(flat), flat):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_assign_balances_bytes():
+    sizes = [40, 40, 40, 40, 8]
+    owner = assign_shards(sizes, 2)
+    load = [sum(s for s, o in zip(sizes, owner) if o == p) for p in range(2)]
+    assert sorted(load) == [80, 88]
+    assert assign_shards(sizes, 2) == owner  # deterministic
+    assert assign_shards(sizes, 1) == [0] * 5  # more shards than PS actors
+    assert sorted(set(assign_shards([10, 9, 8], 3))) == [0, 1, 2]
+    with pytest.raises(ValueError, match="num_ps must be >= 1"):
+        assign_shards(sizes, 0)
