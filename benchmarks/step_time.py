@@ -99,7 +99,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []
     for model_name in args.models:
         plain = statistics.median(plain_step_s(model_name, args.batch_size, args.steps, args.warmup))

@@ -26,7 +26,7 @@ def start_local_ray():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=LOCAL_CPUS, object_store_memory=OBJECT_STORE_BYTES,
+        ray.init(address="local", num_cpus=LOCAL_CPUS, object_store_memory=OBJECT_STORE_BYTES,
                  include_dashboard=False, log_to_driver=False)
 
 

@@ -107,7 +107,7 @@ def main(argv=None) -> dict:
         if args.address:
             ray.init(address=args.address)
         else:
-            ray.init(num_cpus=max(os.cpu_count() or 1, args.num_workers), include_dashboard=False,
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.num_workers), include_dashboard=False,
                      log_to_driver=False)
     num_replicas = args.num_workers * args.devices_per_worker
     devices, batch, lr = args.devices_per_worker, args.batch_size, args.lr
