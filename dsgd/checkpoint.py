@@ -29,7 +29,8 @@ _PREFIX = "ckpt"
 META_SUFFIX = ".dsgd.json"
 
 
-def _state_variables(replica) -> list:
+def state_variables(replica) -> list:
+    """What a checkpoint (and the start-up broadcast) holds of one replica."""
     model = getattr(replica, "model", None)
     weights = getattr(model, "weights", None)
     return list(weights) if weights else list(replica.get_variables())
@@ -38,7 +39,7 @@ def _state_variables(replica) -> list:
 def _tf_checkpoint(replica, optimizer, step_var):
     import tensorflow as tf
 
-    return tf.train.Checkpoint(weights=_state_variables(replica),
+    return tf.train.Checkpoint(weights=state_variables(replica),
                                optimizer_variables=list(optimizer.variables), step=step_var)
 
 
@@ -85,7 +86,7 @@ def _check_compatible(prefix: str, replica, optimizer) -> None:
     import tensorflow as tf
 
     shapes = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
-    for group, variables in (("weights", _state_variables(replica)),
+    for group, variables in (("weights", state_variables(replica)),
                              ("optimizer_variables", list(optimizer.variables))):
         saved = sum(1 for k in shapes if k.startswith(group + "/") and k.endswith("VARIABLE_VALUE"))
         if saved != len(variables):

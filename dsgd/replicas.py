@@ -93,6 +93,24 @@ class Replicas:
         self._compute_fn = tf.function(self._compute_graph, reduce_retracing=True)
         self._apply_fn = tf.function(self._apply_graph, reduce_retracing=True)
 
+    def local_step(self):
+        """Next batches -> gradients -> local mean -> apply, in one compiled call.
+        Returns the replicas' losses (a float32 tensor of shape [D])."""
+        return self._local_step_fn(self.next_batches())
+
+    def compute(self):
+        """Next batches -> gradients -> local mean -> the plan's shards.
+        Returns (losses [D], list of 1-D shard tensors)."""
+        return self._compute_fn(self.next_batches())
+
+    def apply(self, shards) -> None:
+        """Unpack mean-gradient shards (1-D arrays or tensors, in plan order) and
+        apply them to every replica. The shards are only read during the call."""
+        if len(shards) != self.plan.num_shards:
+            raise DsgdError(f"worker {self.worker_index}: got {len(shards)} shards, "
+                            f"the plan has {self.plan.num_shards}")
+        self._apply_fn(list(shards))
+
     def _replica_means(self, batches):
         import tensorflow as tf
 

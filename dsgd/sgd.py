@@ -11,8 +11,8 @@ from typing import Any, Callable
 import numpy as np
 
 from dsgd import checkpoint, constants
-from dsgd.allreduce import check_algorithm
-from dsgd.errors import DsgdError, ModelMismatchError, ResourceError, StepTimeoutError
+from dsgd.arguments import check_args, check_resources
+from dsgd.errors import ModelMismatchError, StepTimeoutError
 from dsgd.model import Model
 from dsgd.param_server import ParameterServer, mean_of
 from dsgd.sharding import ShardPlan, assign_shards, plan_shards, whole_plan
@@ -57,7 +57,7 @@ class DistributedSGD:
                  num_cpus_per_worker: float = constants.DEFAULT_NUM_CPUS_PER_WORKER,
                  step_timeout_s: float = constants.DEFAULT_STEP_TIMEOUT_S,
                  start_timeout_s: float = constants.DEFAULT_START_TIMEOUT_S):
-        _check_args(model_creator, num_workers, devices_per_worker, gpu, strategy,
+        check_args(model_creator, num_workers, devices_per_worker, gpu, strategy,
                     grad_shard_bytes, all_reduce_alg, num_ps, num_cpus_per_worker,
                     step_timeout_s, start_timeout_s)
         import ray
@@ -76,16 +76,15 @@ class DistributedSGD:
         self.ps_actors: list = []
         self._names: dict = {}  # actor handle id -> readable name
         self._suffix = uuid.uuid4().hex[:6]
-        _check_resources(num_workers, devices_per_worker, gpu, num_cpus_per_worker)
+        check_resources(num_workers, devices_per_worker, gpu, num_cpus_per_worker)
         try:
             self._start_workers(model_creator, num_cpus_per_worker, start_timeout_s)
             self._start_ps(num_ps, start_timeout_s)
-            self.set_weights(self.get_weights())  # everyone starts from worker 0 / replica 0
+            self._broadcast_state()  # everyone starts from worker 0 / replica 0
         except BaseException:
             self.shutdown()
             raise
 
-    # ---- construction ---------------------------------------------------------------
     def _start_workers(self, model_creator, num_cpus: float, timeout_s: float) -> None:
         import ray
 
@@ -144,7 +143,16 @@ class DistributedSGD:
         self.ps_info = self._wait([p.ready.remote() for p in self.ps_actors], self.ps_actors,
                                   "starting", timeout_s)
 
-    # ---- stepping -------------------------------------------------------------------
+    def _broadcast_state(self) -> None:
+        import ray
+
+        state = self._wait([self.workers[0].get_state.remote()], self.workers[:1],
+                           "reading worker 0's weights", self.step_timeout_s)[0]
+        ref = ray.put(state)
+        self._wait([w.set_state.remote(ref) for w in self.workers[1:]] +
+                   [self.workers[0].set_state.remote(ref)], self.workers[1:] + self.workers[:1],
+                   "broadcasting worker 0's weights", self.step_timeout_s)
+
     def step(self, fetch_stats: bool = False) -> dict | None:
         """Run one synchronous step on every replica. Blocks until every replica
         has applied the step's mean gradient, at most `step_timeout_s`.
@@ -210,7 +218,6 @@ class DistributedSGD:
                 f"Cluster resources available now: {ray.available_resources()}")
         return ray.get(refs, timeout=timeout_s)
 
-    # ---- state ----------------------------------------------------------------------
     def foreach_worker(self, fn: Callable[[Worker], Any]) -> list:
         """fn(worker) on every worker actor, in worker order. Blocks."""
         return self._call_all("foreach_worker", fn)
@@ -286,53 +293,3 @@ def _describe(info: dict, k: int) -> str:
     if k >= len(info["shapes"]):
         return "(missing)"
     return f"{info['names'][k]} {info['dtypes'][k]}{tuple(info['shapes'][k])}"
-
-
-def _check_args(model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
-                all_reduce_alg, num_ps, num_cpus_per_worker, step_timeout_s, start_timeout_s):
-    if not callable(model_creator):
-        raise TypeError(f"model_creator must be callable as (worker_index, device_index) -> "
-                        f"dsgd.Model, got {type(model_creator).__name__}")
-
-    def positive_int(name, value):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-    positive_int("num_workers", num_workers)
-    positive_int("devices_per_worker", devices_per_worker)
-    positive_int("grad_shard_bytes", grad_shard_bytes)
-    if num_ps is not None:
-        positive_int("num_ps", num_ps)
-    if not isinstance(gpu, bool):
-        raise TypeError(f"gpu must be True or False, got {gpu!r}")
-    if strategy not in constants.STRATEGIES:
-        raise ValueError(f"strategy must be one of {list(constants.STRATEGIES)}, got {strategy!r}")
-    check_algorithm(all_reduce_alg, gpu)
-    for name, value in (("num_cpus_per_worker", num_cpus_per_worker),
-                        ("step_timeout_s", step_timeout_s), ("start_timeout_s", start_timeout_s)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
-
-
-def _check_resources(num_workers: int, devices_per_worker: int, gpu: bool, num_cpus: float) -> None:
-    """Fail fast when the cluster, even empty, cannot place every worker."""
-    import ray
-
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    need_gpus = devices_per_worker if gpu else 0
-    fit = 0
-    for res in nodes:
-        by_cpu = int(res.get("CPU", 0) // num_cpus) if num_cpus else num_workers
-        by_gpu = int(res.get("GPU", 0) // need_gpus) if need_gpus else num_workers
-        fit += min(by_cpu, by_gpu)
-    if fit >= num_workers:
-        return
-    total_cpu = sum(r.get("CPU", 0) for r in nodes)
-    total_gpu = sum(r.get("GPU", 0) for r in nodes)
-    per_node = ", ".join(f"{r.get('CPU', 0):g} CPU/{r.get('GPU', 0):g} GPU" for r in nodes)
-    hint = " Pass gpu=False to train on CPU devices." if gpu and total_gpu == 0 else ""
-    raise ResourceError(
-        f"asked for {num_workers} worker(s) x ({num_cpus:g} CPU, {need_gpus} GPU) = "
-        f"{num_workers * num_cpus:g} CPU and {num_workers * need_gpus} GPU, each worker's GPUs on one "
-        f"node; the cluster has {total_cpu:g} CPU and {total_gpu:g} GPU in {len(nodes)} node(s) "
-        f"({per_node}) and fits only {fit} worker(s).{hint}")

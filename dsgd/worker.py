@@ -13,7 +13,6 @@ from typing import Any, Callable
 import numpy as np
 
 from dsgd import checkpoint
-from dsgd.errors import DsgdError
 from dsgd.model import Model
 from dsgd.replicas import Replicas
 from dsgd.sharding import ShardPlan
@@ -41,7 +40,7 @@ class Worker:
     def local_step(self) -> dict:
         """A whole step with no exchange (num_workers == 1). Blocks until applied."""
         start = time.perf_counter()
-        losses = self.replicas._local_step_fn(self.replicas.next_batches())
+        losses = self.replicas.local_step()
         return {"losses": losses.numpy().tolist(), "compute_s": time.perf_counter() - start}
 
     def compute(self):
@@ -49,7 +48,7 @@ class Worker:
         the plan's shards. Returns (info, shard_0, ..., shard_{S-1}); the driver
         calls it with num_returns = S + 1 so that each shard is its own object."""
         start = time.perf_counter()
-        losses, shards = self.replicas._compute_fn(self.replicas.next_batches())
+        losses, shards = self.replicas.compute()
         arrays = [s.numpy() for s in shards]
         info = {"losses": losses.numpy().tolist(), "compute_s": time.perf_counter() - start}
         return (info, *arrays)
@@ -58,12 +57,18 @@ class Worker:
         """Apply the global mean gradient, in shards, to every replica. The shard
         arrays (read-only object-store views) are read during the call, not kept."""
         start = time.perf_counter()
-        plan = self.replicas.plan
-        if len(mean_shards) != plan.num_shards:
-            raise DsgdError(f"worker {self.worker_index}: got {len(mean_shards)} shards, "
-                            f"the plan has {plan.num_shards}")
-        self.replicas._apply_fn(list(mean_shards))
+        self.replicas.apply(mean_shards)
         return {"apply_s": time.perf_counter() - start}
+
+    def get_state(self) -> list[np.ndarray]:
+        """Replica 0's full model state (a Keras model's `weights`, non-trainable
+        included; else `get_variables()`), for the start-up broadcast."""
+        return [np.array(v.numpy()) for v in checkpoint.state_variables(self.replicas.replicas[0])]
+
+    def set_state(self, state: list[np.ndarray]) -> None:
+        for replica in self.replicas.replicas:
+            for variable, value in zip(checkpoint.state_variables(replica), state, strict=True):
+                variable.assign(value)
 
     def get_weights(self) -> list[np.ndarray]:
         return self.replicas.replicas[0].get_weights()

@@ -1,0 +1,60 @@
+"""Constructor checks of DistributedSGD: bad arguments fail before Ray starts,
+requests the cluster can never hold fail before any actor starts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dsgd import constants
+from dsgd.allreduce import check_algorithm
+from dsgd.errors import ResourceError
+
+
+def check_args(model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
+                all_reduce_alg, num_ps, num_cpus_per_worker, step_timeout_s, start_timeout_s):
+    if not callable(model_creator):
+        raise TypeError(f"model_creator must be callable as (worker_index, device_index) -> "
+                        f"dsgd.Model, got {type(model_creator).__name__}")
+
+    def positive_int(name, value):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    positive_int("num_workers", num_workers)
+    positive_int("devices_per_worker", devices_per_worker)
+    positive_int("grad_shard_bytes", grad_shard_bytes)
+    if num_ps is not None:
+        positive_int("num_ps", num_ps)
+    if not isinstance(gpu, bool):
+        raise TypeError(f"gpu must be True or False, got {gpu!r}")
+    if strategy not in constants.STRATEGIES:
+        raise ValueError(f"strategy must be one of {list(constants.STRATEGIES)}, got {strategy!r}")
+    check_algorithm(all_reduce_alg, gpu)
+    for name, value in (("num_cpus_per_worker", num_cpus_per_worker),
+                        ("step_timeout_s", step_timeout_s), ("start_timeout_s", start_timeout_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+def check_resources(num_workers: int, devices_per_worker: int, gpu: bool, num_cpus: float) -> None:
+    """Fail fast when the cluster, even empty, cannot place every worker."""
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    need_gpus = devices_per_worker if gpu else 0
+    fit = 0
+    for res in nodes:
+        by_cpu = int(res.get("CPU", 0) // num_cpus) if num_cpus else num_workers
+        by_gpu = int(res.get("GPU", 0) // need_gpus) if need_gpus else num_workers
+        fit += min(by_cpu, by_gpu)
+    if fit >= num_workers:
+        return
+    total_cpu = sum(r.get("CPU", 0) for r in nodes)
+    total_gpu = sum(r.get("GPU", 0) for r in nodes)
+    per_node = ", ".join(f"{r.get('CPU', 0):g} CPU/{r.get('GPU', 0):g} GPU" for r in nodes)
+    hint = " Pass gpu=False to train on CPU devices." if gpu and total_gpu == 0 else ""
+    raise ResourceError(
+        f"asked for {num_workers} worker(s) x ({num_cpus:g} CPU, {need_gpus} GPU) = "
+        f"{num_workers * num_cpus:g} CPU and {num_workers * need_gpus} GPU, each worker's GPUs on one "
+        f"node; the cluster has {total_cpu:g} CPU and {total_gpu:g} GPU in {len(nodes)} node(s) "
+        f"({per_node}) and fits only {fit} worker(s).{hint}")
