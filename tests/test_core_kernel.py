@@ -51,3 +51,57 @@ def test_bad_input_is_a_python_error():
         _core.sum_scaled([np.ones(4, np.int32)], np.ones(4, np.int32), 1.0)
     with pytest.raises(ValueError, match="shard from worker 1 is float32"):
         mean_of([a, np.ones(3, np.float32)])
+
+
+@pytest.mark.parametrize("sizes", [[1], [3, 0, 5], [1000, 7, 64], [_core.MIN_BYTES_PER_THREAD, 12345, 3]])
+@pytest.mark.parametrize("max_threads", [1, 0])
+def test_fuse_and_split_round_trip(sizes, max_threads):
+    rng = np.random.default_rng(len(sizes))
+    parts = [rng.integers(0, 255, size=n, dtype=np.uint8) for n in sizes]
+    fused = np.empty(sum(sizes), np.uint8)
+    _core.fuse(parts, fused, max_threads)
+    np.testing.assert_array_equal(fused, np.concatenate(parts))
+    back = [np.empty_like(p) for p in parts]
+    _core.split(fused, back, max_threads)
+    for a, b in zip(parts, back):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fuse_mixed_dtypes_is_byte_exact():
+    parts = [np.arange(5, dtype=np.float32), np.arange(3, dtype=np.float64)]
+    out = np.empty(5 * 4 + 3 * 8, np.uint8)
+    _core.fuse(parts, out)
+    assert out.tobytes() == parts[0].tobytes() + parts[1].tobytes()
+
+
+def special_floats():
+    rng = np.random.default_rng(0)
+    wide = rng.normal(size=20000).astype(np.float32) * np.float32(2.0) ** rng.integers(-30, 20, 20000).astype(np.float32)
+    edges = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, 1e-8, 5.96e-8,
+                      2.98e-8, 2.99e-8, 6.1e-5, 6.103515625e-05, -6.1e-5, 1.0, 1.0009765625,
+                      1.00048828125, 1.00146484375, 3.4e38], np.float32)
+    return np.concatenate([wide, edges])
+
+
+def test_fp16_casts_match_numpy_bit_for_bit():
+    x = special_floats()
+    half = np.empty(x.shape, np.float16)
+    _core.cast_f32_to_f16(x, half)
+    with np.errstate(over="ignore"):  # numpy warns on its own overflow to inf
+        expected = x.astype(np.float16)
+    np.testing.assert_array_equal(half.view(np.uint16), expected.view(np.uint16))
+    every_half = np.arange(2**16, dtype=np.uint16)
+    back = np.empty(every_half.shape, np.float32)
+    _core.cast_f16_to_f32(every_half, back)
+    np.testing.assert_array_equal(back.view(np.uint32), every_half.view(np.float16).astype(np.float32).view(np.uint32))
+
+
+def test_copy_and_cast_errors():
+    with pytest.raises(ValueError, match="inputs hold 8 bytes but `out` has 4"):
+        _core.fuse([np.ones(2, np.float32)], np.empty(1, np.float32))
+    with pytest.raises(ValueError, match="`inputs` is empty"):
+        _core.fuse([], np.empty(1, np.float32))
+    with pytest.raises(ValueError, match="outs hold 4 bytes but `input` has 8"):
+        _core.split(np.ones(2, np.float32), [np.empty(1, np.float32)])
+    with pytest.raises(ValueError, match="expected 4-byte input"):
+        _core.cast_f32_to_f16(np.ones(2, np.float64), np.empty(2, np.float16))

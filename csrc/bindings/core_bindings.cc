@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/copy.h"
 #include "core/reduce.h"
 
 namespace py = pybind11;
@@ -54,6 +55,71 @@ void SumScaled(const std::vector<py::array>& inputs, py::array out, double scale
   }
 }
 
+void CheckContiguous(const py::array& a, const std::string& what) {
+  if (!(a.flags() & py::array::c_style))
+    throw py::value_error(what + " is not C-contiguous");
+}
+
+void CheckWritable(const py::array& a, const std::string& what) {
+  CheckContiguous(a, what);
+  if (!a.writeable()) throw py::value_error(what + " is read-only");
+}
+
+void Fuse(const std::vector<py::array>& inputs, py::array out, int max_threads) {
+  if (inputs.empty()) throw py::value_error("fuse: `inputs` is empty");
+  CheckWritable(out, "fuse: `out`");
+  std::vector<const void*> srcs;
+  std::vector<std::size_t> bytes;
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    CheckContiguous(inputs[i], "fuse: inputs[" + std::to_string(i) + "]");
+    srcs.push_back(inputs[i].data());
+    bytes.push_back(static_cast<std::size_t>(inputs[i].nbytes()));
+    total += bytes.back();
+  }
+  if (total != static_cast<std::size_t>(out.nbytes()))
+    throw py::value_error("fuse: inputs hold " + std::to_string(total) + " bytes but `out` has " +
+                          std::to_string(out.nbytes()));
+  void* dst = out.mutable_data();
+  py::gil_scoped_release release;
+  dsgd::Fuse(srcs.data(), bytes.data(), srcs.size(), dst, max_threads);
+}
+
+void Split(const py::array& input, std::vector<py::array> outs, int max_threads) {
+  if (outs.empty()) throw py::value_error("split: `outs` is empty");
+  CheckContiguous(input, "split: `input`");
+  std::vector<void*> dsts;
+  std::vector<std::size_t> bytes;
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    CheckWritable(outs[i], "split: outs[" + std::to_string(i) + "]");
+    dsts.push_back(outs[i].mutable_data());
+    bytes.push_back(static_cast<std::size_t>(outs[i].nbytes()));
+    total += bytes.back();
+  }
+  if (total != static_cast<std::size_t>(input.nbytes()))
+    throw py::value_error("split: outs hold " + std::to_string(total) + " bytes but `input` has " +
+                          std::to_string(input.nbytes()));
+  const void* src = input.data();
+  py::gil_scoped_release release;
+  dsgd::Split(src, dsts.data(), bytes.data(), dsts.size(), max_threads);
+}
+
+template <typename In, typename Out>
+void Cast(const py::array& input, py::array out, const char* name,
+          void (*kernel)(const In*, Out*, std::size_t)) {
+  CheckContiguous(input, std::string(name) + ": `input`");
+  CheckWritable(out, std::string(name) + ": `out`");
+  if (input.itemsize() != sizeof(In) || out.itemsize() != sizeof(Out) || input.size() != out.size())
+    throw py::value_error(std::string(name) + ": expected " + std::to_string(sizeof(In)) + "-byte input and " +
+                          std::to_string(sizeof(Out)) + "-byte output of the same length");
+  const In* src = static_cast<const In*>(input.data());
+  Out* dst = static_cast<Out*>(out.mutable_data());
+  std::size_t n = static_cast<std::size_t>(input.size());
+  py::gil_scoped_release release;
+  kernel(src, dst, n);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -67,4 +133,16 @@ Blocks until done and releases the GIL meanwhile. Inputs may be read-only
 writable, C-contiguous array of the same dtype (float32 or float64) and size;
 it may be inputs[0] only if that is writable. max_threads <= 0 uses every core.)doc");
   m.attr("MIN_ELEMENTS_PER_THREAD") = dsgd::kMinElementsPerThread;
+  m.attr("MIN_BYTES_PER_THREAD") = dsgd::kMinBytesPerThread;
+  m.def("fuse", &Fuse, py::arg("inputs"), py::arg("out"), py::arg("max_threads") = 0,
+        "out's bytes = inputs' bytes, concatenated in order. Blocks; releases the GIL.");
+  m.def("split", &Split, py::arg("input"), py::arg("outs"), py::arg("max_threads") = 0,
+        "Each of outs gets the next out.nbytes bytes of input. Blocks; releases the GIL.");
+  m.def("cast_f32_to_f16", [](const py::array& input, py::array out) {
+          Cast<float, std::uint16_t>(input, out, "cast_f32_to_f16", dsgd::CastF32ToF16);
+        }, py::arg("input"), py::arg("out"),
+        "float32 -> float16 (out: float16 or uint16), round-to-nearest-even like numpy.");
+  m.def("cast_f16_to_f32", [](const py::array& input, py::array out) {
+          Cast<std::uint16_t, float>(input, out, "cast_f16_to_f32", dsgd::CastF16ToF32);
+        }, py::arg("input"), py::arg("out"), "float16 (or uint16 bits) -> float32, exact.");
 }

@@ -1,0 +1,196 @@
+"""Exchange cost of dsgd's "ps" strategy against the memory bound and a plain-Ray peer.
+
+    python benchmarks/comm.py [--mib 100] [--workers 2] [--ps 2] [--steps 20] [--sizes 25 50 100]
+
+For each gradient size S (MiB per worker), one run measures, as per-step medians:
+  memcpy_s     numpy copy of S MiB into a warm buffer (the memory bound's unit)
+  plain_s      a plain single-process tf.function step of the same model
+  dsgd_s       a dsgd step (N workers, P PS actors, strategy "ps")
+  exchange_s   dsgd_s - plain_s; ratio exchange_s / (2 * memcpy_s) (target <= 1.5)
+  peer_s       what a user would write by hand with plain Ray: each worker returns
+               its numpy gradient halves, P actors sum them with numpy, workers
+               fetch the results (no TensorFlow; exchange only)
+The model is compute-light (gradient = a constant fill, SGD update) so the exchange shows.
+Writes JSON to benchmarks/results/comm.json and a PNG chart beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import dsgd  # noqa: E402
+
+MIB = 2**20
+NUM_VARIABLES = 10
+
+
+class FlatModel(dsgd.Model):
+    """NUM_VARIABLES float32 vectors totalling `mib` MiB; loss = c * sum(v), so the
+    gradient is the constant c everywhere: computing it costs one write pass."""
+
+    def __init__(self, mib: float):
+        import keras
+        import tensorflow as tf
+
+        n = int(mib * MIB / 4 / NUM_VARIABLES)
+        self.variables = [tf.Variable(tf.zeros([n]), name=f"v{i}") for i in range(NUM_VARIABLES)]
+        self.optimizer = keras.optimizers.SGD(1e-6)
+
+    def get_loss(self, batch):
+        import tensorflow as tf
+
+        return tf.add_n([tf.reduce_sum(v) for v in self.variables]) * 1e-3
+
+    def get_variables(self):
+        return self.variables
+
+    def get_optimizer(self):
+        return self.optimizer
+
+
+def median_time(fn, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memcpy_s(mib: float, steps: int) -> float:
+    src = np.ones(int(mib * MIB) // 4, np.float32)
+    dst = np.empty_like(src)
+    return median_time(lambda: np.copyto(dst, src), steps, 3)
+
+
+def plain_s(mib: float, steps: int, warmup: int) -> float:
+    import tensorflow as tf
+
+    model = FlatModel(mib)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = model.get_loss(None)
+        model.optimizer.apply_gradients(zip(tape.gradient(loss, model.variables), model.variables))
+        return loss
+
+    return median_time(lambda: step().numpy(), steps, warmup)
+
+
+def dsgd_s(mib, workers, num_ps, steps, warmup):
+    with dsgd.DistributedSGD(lambda w, d: FlatModel(mib), workers, 1, gpu=False, strategy="ps",
+                             num_ps=num_ps) as sgd:
+        stats = [sgd.step(fetch_stats=True) for _ in range(warmup + steps)][warmup:]
+    return {k: statistics.median(s[k] for s in stats)
+            for k in ("step_s", "compute_s", "exchange_s", "apply_s")}
+
+
+def peer_s(mib, workers, num_ps, steps, warmup):
+    """Plain Ray, numpy only: the exchange a user would hand-write."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class PeerWorker:
+        def __init__(self):
+            self.grad = np.full(int(mib * MIB) // 4, 1e-3, np.float32)
+
+        def grads(self):
+            return tuple(np.array_split(self.grad, num_ps))
+
+        def apply(self, *means):
+            self.grad[:] = np.concatenate(means)  # stands in for the optimizer's read
+
+    @ray.remote(num_cpus=0)
+    class PeerPS:
+        def mean(self, *parts):
+            return np.sum(parts, axis=0) / len(parts)
+
+    ws = [PeerWorker.remote() for _ in range(workers)]
+    ps = [PeerPS.remote() for _ in range(num_ps)]
+
+    def step():
+        parts = [w.grads.options(num_returns=num_ps).remote() for w in ws]
+        parts = [p if isinstance(p, list) else [p] for p in parts]
+        means = [ps[j].mean.remote(*[parts[i][j] for i in range(workers)]) for j in range(num_ps)]
+        ray.get([w.apply.remote(*means) for w in ws], timeout=120)
+
+    try:
+        return median_time(step, steps, warmup)
+    finally:
+        for a in ws + ps:
+            ray.kill(a)
+
+
+def chart(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r["mib"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("plain_s", "plain tf.function step"), ("dsgd_s", "dsgd ps step"),
+                       ("peer_s", "plain-Ray exchange (peer)"), ("bound_s", "2 x memcpy")):
+        ax.plot(sizes, [1000 * r[key] for r in rows], marker="o", label=label)
+    ax.set_xlabel("gradient MiB per worker")
+    ax.set_ylabel("median ms per step")
+    ax.set_title(f"{rows[0]['workers']} workers, {rows[0]['num_ps']} PS actors")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", type=float, nargs="+", default=[100.0], help="MiB per worker")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--ps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "comm.json"))
+    args = p.parse_args(argv)
+    import ray
+
+    store = int(max(args.sizes) * MIB * (args.workers + args.ps) * 6)
+    ray.init(address="local", num_cpus=max(4, args.workers), object_store_memory=store,
+             include_dashboard=False, log_to_driver=False)
+    rows = []
+    for mib in args.sizes:
+        row = {"mib": mib, "workers": args.workers, "num_ps": args.ps,
+               "memcpy_s": memcpy_s(mib, args.steps), "plain_s": plain_s(mib, args.steps, args.warmup)}
+        phases = dsgd_s(mib, args.workers, args.ps, args.steps, args.warmup)
+        row.update(dsgd_s=phases["step_s"], dsgd_phases=phases)
+        row["peer_s"] = peer_s(mib, args.workers, args.ps, args.steps, args.warmup)
+        row["bound_s"] = 2 * row["memcpy_s"]
+        row["exchange_s"] = row["dsgd_s"] - row["plain_s"]
+        row["exchange_over_bound"] = row["exchange_s"] / row["bound_s"]
+        row["peer_over_exchange"] = row["peer_s"] / row["exchange_s"]
+        rows.append(row)
+        print(f"{mib:6.1f} MiB: memcpy {1e3 * row['memcpy_s']:.1f} ms, plain {1e3 * row['plain_s']:.1f} ms, "
+              f"dsgd {1e3 * row['dsgd_s']:.1f} ms, exchange {1e3 * row['exchange_s']:.1f} ms "
+              f"= {row['exchange_over_bound']:.2f} x (2 x memcpy); plain-Ray peer {1e3 * row['peer_s']:.1f} ms "
+              f"({row['peer_over_exchange']:.2f} x dsgd's exchange)", flush=True)
+    result = {"benchmark": "comm", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+              "steps": args.steps, "warmup": args.warmup, "rows": rows}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    chart(rows, os.path.splitext(args.out)[0] + ".png")
+    return result
+
+
+if __name__ == "__main__":
+    main()

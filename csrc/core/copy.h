@@ -1,0 +1,38 @@
+// Fuse many buffers into one, split one into many, and fp32 <-> fp16 casts.
+// Plain C++17 on pointers and lengths; no Python or TensorFlow headers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace dsgd {
+
+// One contiguous copy of `bytes` bytes from `src` to `dst` (non-overlapping).
+struct Span {
+  const void* src;
+  void* dst;
+  std::size_t bytes;
+};
+
+// Copies every span. Large copies are cut into blocks spread over up to
+// `max_threads` threads (<= 0: hardware_concurrency()); small ones run inline.
+// Blocks until done.
+void CopySpans(const Span* spans, std::size_t num_spans, int max_threads);
+
+// dst = srcs[0] ++ srcs[1] ++ ... (byte sizes in `bytes`).
+void Fuse(const void* const* srcs, const std::size_t* bytes, std::size_t n, void* dst,
+          int max_threads);
+
+// dsts[i] = the next bytes[i] bytes of src.
+void Split(const void* src, void* const* dsts, const std::size_t* bytes, std::size_t n,
+           int max_threads);
+
+// IEEE 754 binary16 <-> binary32, round-to-nearest-even, with subnormals,
+// infinities and NaN (as numpy's astype does).
+void CastF32ToF16(const float* src, std::uint16_t* dst, std::size_t n);
+void CastF16ToF32(const std::uint16_t* src, float* dst, std::size_t n);
+
+// Bytes below which a copy is not worth a thread.
+constexpr std::size_t kMinBytesPerThread = std::size_t{1} << 20;
+
+}  // namespace dsgd
