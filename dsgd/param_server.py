@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from dsgd import _core
+from dsgd.sharding import Shard
 
 
 class ParameterServer:
@@ -20,10 +21,26 @@ class ParameterServer:
 
         return {"node_id": ray.get_runtime_context().get_node_id()}
 
-    def mean(self, *shards: np.ndarray) -> np.ndarray:
-        """Mean of the same shard from every worker (Ray passes the object-store
-        arrays as read-only views; they are read, never kept). Returns a new array."""
-        return mean_of(shards)
+    def mean(self, shard: Shard, *worker_pieces: tuple[np.ndarray, ...]) -> np.ndarray:
+        """Mean of one shard over every worker. Each worker's shard arrives as the
+        tuple of its pieces (read-only object-store views; read, never kept).
+        Returns the shard's buffer laid out as `shard` says, padding zeroed."""
+        return mean_shard(shard, worker_pieces)
+
+
+def mean_shard(shard: Shard, worker_pieces) -> np.ndarray:
+    out = np.empty(shard.num_elements, shard.dtype)
+    scale = 1.0 / len(worker_pieces)
+    cursor = 0
+    for k, piece in enumerate(shard.pieces):
+        out[cursor:piece.shard_offset] = 0
+        end = piece.shard_offset + piece.length
+        try:
+            _core.sum_scaled([pieces[k] for pieces in worker_pieces], out[piece.shard_offset:end], scale)
+        except (ValueError, TypeError, IndexError) as e:
+            raise ValueError(f"piece {k} of the shard (variable {piece.var_index}): {e}") from e
+        cursor = end
+    return out
 
 
 def mean_of(shards) -> np.ndarray:

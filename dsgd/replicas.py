@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from dsgd import allreduce
+from dsgd import allreduce, ops
 from dsgd.errors import DsgdError, ModelMismatchError, ResourceError
 from dsgd.model import Model, _name
 from dsgd.sharding import ShardPlan
@@ -99,17 +99,38 @@ class Replicas:
         return self._local_step_fn(self.next_batches())
 
     def compute(self):
-        """Next batches -> gradients -> local mean -> the plan's shards.
-        Returns (losses [D], list of 1-D shard tensors)."""
+        """Next batches -> gradients -> local mean, in one compiled call.
+        Returns (losses [D], the mean gradient of every variable, flattened)."""
         return self._compute_fn(self.next_batches())
 
+    def shard_pieces(self, flat_grads) -> list[tuple[np.ndarray, ...]]:
+        """For each shard of the plan, its pieces as numpy views of the gradient
+        tensors (no copy; the views keep the tensors alive). Serialising a tuple
+        of views (pickle 5, out of band) copies each piece once, into its place
+        in the object-store buffer: that copy is the fusion pass."""
+        views = [ops.tensor_view(g) for g in flat_grads]
+        return [tuple(views[p.var_index][p.var_offset:p.var_offset + p.length] for p in shard.pieces)
+                for shard in self.plan.shards]
+
     def apply(self, shards) -> None:
-        """Unpack mean-gradient shards (1-D arrays or tensors, in plan order) and
-        apply them to every replica. The shards are only read during the call."""
+        """Apply mean-gradient shards (1-D C-contiguous numpy arrays laid out as
+        the plan's shards, e.g. read-only object-store views) to every replica.
+        The op reads them in place where it can, so they must stay alive and
+        unchanged until this call returns; they are not kept afterwards."""
+        import tensorflow as tf
+
         if len(shards) != self.plan.num_shards:
             raise DsgdError(f"worker {self.worker_index}: got {len(shards)} shards, "
                             f"the plan has {self.plan.num_shards}")
-        self._apply_fn(list(shards))
+        for j, (array, shard) in enumerate(zip(shards, self.plan.shards)):
+            if not isinstance(array, np.ndarray) or array.dtype != np.dtype(shard.dtype) \
+                    or array.ndim != 1 or not array.flags.c_contiguous:
+                raise DsgdError(f"worker {self.worker_index}: shard {j} must be a 1-D contiguous "
+                                f"{shard.dtype} array, got {getattr(array, 'dtype', type(array))}"
+                                f"{getattr(array, 'shape', '')}")
+        addresses = tf.constant([ops.buffer_address(a) for a in shards], tf.int64)
+        byte_sizes = tf.constant([a.nbytes for a in shards], tf.int64)
+        self._apply_fn(addresses, byte_sizes)
 
     def _replica_means(self, batches):
         import tensorflow as tf
@@ -145,22 +166,10 @@ class Replicas:
         import tensorflow as tf
 
         losses, means = self._replica_means(batches)
-        flat = [tf.reshape(g, [-1]) for g in means[0]]
-        shards = []
-        for shard in self.plan.shards:
-            parts = [flat[p.var_index][p.var_offset:p.var_offset + p.length] for p in shard.pieces]
-            shards.append(parts[0] if len(parts) == 1 else tf.concat(parts, axis=0))
-        return losses, shards
+        return losses, [tf.reshape(g, [-1]) for g in means[0]]
 
-    def _apply_graph(self, shards):
-        import tensorflow as tf
-
-        grads = []
-        for v, shape in enumerate(self.plan.shapes):
-            parts = [shards[j][p.shard_offset:p.shard_offset + p.length]
-                     for j, p in self.plan.pieces_of(v)]
-            flat = parts[0] if len(parts) == 1 else tf.concat(parts, axis=0)
-            grads.append(tf.reshape(flat, shape))
+    def _apply_graph(self, addresses, byte_sizes):
+        grads = ops.read_shards(addresses, byte_sizes, self.plan)
         self._apply_means([grads] * len(self.replicas))
 
     def next_batches(self) -> list:

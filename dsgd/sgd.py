@@ -10,15 +10,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dsgd import checkpoint, constants
+from dsgd import checkpoint, constants, ops
 from dsgd.arguments import check_args, check_resources
-from dsgd.errors import ModelMismatchError, StepTimeoutError
+from dsgd.errors import DsgdError, ModelMismatchError, StepTimeoutError
 from dsgd.model import Model
-from dsgd.param_server import ParameterServer, mean_of
+from dsgd.param_server import ParameterServer, mean_shard
 from dsgd.sharding import ShardPlan, assign_shards, plan_shards, whole_plan
 from dsgd.worker import Worker
 
 logger = logging.getLogger("dsgd")
+ops.check_installed_tf()  # a TensorFlow other than the one dsgd was built against: ImportError
 
 
 class DistributedSGD:
@@ -133,11 +134,18 @@ class DistributedSGD:
                            "will idle (lower grad_shard_bytes to make more shards)",
                            num_ps, num_shards, num_ps - num_shards)
         self.ps_assignment = assign_shards([s.nbytes for s in self.plan.shards], num_ps)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         ps_cls = ray.remote(ParameterServer)
         for j in range(num_ps):
             name = f"{constants.PS_NAME_PREFIX}{j}-{self._suffix}"
-            handle = ps_cls.options(name=name, num_cpus=constants.PS_NUM_CPUS,
-                                    scheduling_strategy="SPREAD").remote(j)
+            # PS j lives beside worker j (round-robin): every node that sends
+            # gradients also sums its share, as in BytePS. Soft: any node will do
+            # if that one is gone.
+            node_id = self.worker_info[j % self.num_workers]["node_id"]
+            handle = ps_cls.options(
+                name=name, num_cpus=constants.PS_NUM_CPUS,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True)).remote(j)
             self.ps_actors.append(handle)
             self._names[id(handle)] = name
         self.ps_info = self._wait([p.ready.remote() for p in self.ps_actors], self.ps_actors,
@@ -183,25 +191,45 @@ class DistributedSGD:
                 "step_s": step_s, "step": self.steps_done}
 
     def _exchange_step(self, start: float):
+        """Workers stream their shards; PS j is called for shard j as soon as every
+        worker has written it, so summing overlaps with writing the next shard."""
         import ray
 
         label = f"step {self.steps_done + 1}"
-        num_shards = self.plan.num_shards
-        computed = [w.compute.options(num_returns=num_shards + 1).remote() for w in self.workers]
-        info_refs = [refs[0] for refs in computed]
-        if self.strategy == "ps":
-            mean_refs = [self.ps_actors[self.ps_assignment[j]].mean.remote(
-                *[refs[1 + j] for refs in computed]) for j in range(num_shards)]
-        else:
-            grads = self._wait([ref for refs in computed for ref in refs[1:]],
-                               [w for w in self.workers for _ in range(num_shards)],
-                               f"{label}: computing gradients", self._time_left(start))
-            mean_refs = [ray.put(mean_of([grads[w * num_shards + j] for w in range(self.num_workers)]))
-                         for j in range(num_shards)]
-        applied_refs = [w.apply.remote(*mean_refs) for w in self.workers]
-        owners = self.workers + self.workers
-        results = self._wait(info_refs + applied_refs, owners, label, self._time_left(start))
-        return results[:self.num_workers], results[self.num_workers:]
+        streams = [w.compute.options(num_returns="streaming").remote() for w in self.workers]
+        info_refs = [self._next(stream, w, f"{label}: computing gradients", start)
+                     for stream, w in zip(streams, self.workers)]
+        infos = self._wait(info_refs, self.workers, f"{label}: computing gradients",
+                           self._time_left(start))
+        mean_refs = []
+        for j, shard in enumerate(self.plan.shards):
+            refs = [self._next(stream, w, f"{label}: writing shard {j}", start)
+                    for stream, w in zip(streams, self.workers)]
+            if self.strategy == "ps":
+                mean_refs.append(self.ps_actors[self.ps_assignment[j]].mean.remote(shard, *refs))
+            else:
+                pieces = self._wait(refs, self.workers, f"{label}: gathering shard {j}",
+                                    self._time_left(start))
+                mean_refs.append(ray.put(mean_shard(shard, pieces)))
+        applied = self._wait([w.apply.remote(*mean_refs) for w in self.workers], self.workers,
+                             label, self._time_left(start))
+        return infos, applied
+
+    def _next(self, stream, owner, what: str, start: float):
+        """The next ObjectRef of a worker's shard stream, waiting at most until
+        the step's deadline."""
+        import ray
+
+        timeout_s = self._time_left(start)
+        ready, _ = ray.wait([stream], timeout=timeout_s)
+        if not ready:
+            raise StepTimeoutError(f"{what}: no answer after {timeout_s:.1f} s from "
+                                   f"{self._names.get(id(owner), '?')}")
+        try:
+            return next(stream)
+        except StopIteration:
+            raise DsgdError(f"{what}: {self._names.get(id(owner), '?')} ended its shard "
+                            "stream early") from None
 
     def _time_left(self, start: float) -> float:
         return max(0.001, self.step_timeout_s - (time.perf_counter() - start))

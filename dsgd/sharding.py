@@ -6,7 +6,9 @@ variables' shapes and every worker packs and unpacks with it.
 Gradients are taken in reverse variable order (the last layers' gradients are
 ready first) and packed greedily into shards of at most `shard_bytes`: small
 tensors are fused into one shard, a tensor larger than the room left is split
-across shards. A shard holds one dtype only.
+across shards. A shard holds one dtype only. Every piece starts at a multiple of
+`align_bytes` within its shard (zero padding between pieces), so a variable held
+whole by one shard can be read from it in place, without a copy.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ class Shard:
 
     @property
     def num_elements(self) -> int:
-        return sum(p.length for p in self.pieces)
+        """Elements in the shard's buffer, padding included."""
+        last = self.pieces[-1]
+        return last.shard_offset + last.length
 
     @property
     def nbytes(self) -> int:
@@ -60,9 +64,15 @@ class ShardPlan:
         return sorted(found, key=lambda jp: jp[1].var_offset)
 
     def pack(self, flat_arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """numpy reference of the workers' packing (used by tests and the driver)."""
-        return [np.concatenate([flat_arrays[p.var_index][p.var_offset:p.var_offset + p.length]
-                                for p in s.pieces]) for s in self.shards]
+        """numpy reference of a shard buffer's layout (padding zeroed)."""
+        shards = []
+        for s in self.shards:
+            out = np.zeros(s.num_elements, s.dtype)
+            for p in s.pieces:
+                out[p.shard_offset:p.shard_offset + p.length] = \
+                    flat_arrays[p.var_index][p.var_offset:p.var_offset + p.length]
+            shards.append(out)
+        return shards
 
     def unpack(self, shards: Sequence[np.ndarray]) -> list[np.ndarray]:
         out = []
@@ -75,8 +85,9 @@ class ShardPlan:
 
 
 def plan_shards(shapes: Sequence[Sequence[int]], dtypes: Sequence[str],
-                shard_bytes: int) -> ShardPlan:
-    """Pack variables (in reverse order) into shards of at most `shard_bytes` bytes."""
+                shard_bytes: int, align_bytes: int = 64) -> ShardPlan:
+    """Pack variables (in reverse order) into shards of at most `shard_bytes` bytes,
+    each piece starting at a multiple of `align_bytes` (rounded to whole elements)."""
     if len(shapes) != len(dtypes):
         raise ValueError(f"plan_shards: {len(shapes)} shapes but {len(dtypes)} dtypes")
     if not isinstance(shard_bytes, int) or shard_bytes <= 0:
@@ -94,6 +105,7 @@ def plan_shards(shapes: Sequence[Sequence[int]], dtypes: Sequence[str],
 
     for v in reversed(range(len(shapes))):
         itemsize = np.dtype(dtypes[v]).itemsize
+        align = max(1, align_bytes // itemsize)
         capacity = shard_bytes // itemsize
         if capacity == 0:
             raise ValueError(f"grad_shard_bytes={shard_bytes} is smaller than one element "
@@ -104,7 +116,8 @@ def plan_shards(shapes: Sequence[Sequence[int]], dtypes: Sequence[str],
         size = math.prod(shapes[v])
         offset = 0
         while offset < size:
-            if used == capacity:
+            used = -(-used // align) * align
+            if used >= capacity:
                 close()
             take = min(size - offset, capacity - used)
             pieces.append(Piece(v, offset, take, used))

@@ -44,14 +44,17 @@ class Worker:
         return {"losses": losses.numpy().tolist(), "compute_s": time.perf_counter() - start}
 
     def compute(self):
-        """This step's gradients, averaged across local replicas and packed into
-        the plan's shards. Returns (info, shard_0, ..., shard_{S-1}); the driver
-        calls it with num_returns = S + 1 so that each shard is its own object."""
+        """This step's gradients, averaged across local replicas, streamed shard
+        by shard. A generator (call with num_returns="streaming"): yields the info
+        dict, then each shard of the plan as a tuple of its pieces. Each yield
+        becomes its own object, in the store as soon as it is written, so a PS
+        can sum shard j while shard j+1 is being written."""
         start = time.perf_counter()
-        losses, shards = self.replicas.compute()
-        arrays = [s.numpy() for s in shards]
-        info = {"losses": losses.numpy().tolist(), "compute_s": time.perf_counter() - start}
-        return (info, *arrays)
+        losses, flat_grads = self.replicas.compute()
+        pieces = self.replicas.shard_pieces(flat_grads)
+        yield {"losses": losses.numpy().tolist(), "compute_s": time.perf_counter() - start}
+        for shard in pieces:  # (Ray's generator wrapper cannot `yield from` a list)
+            yield shard
 
     def apply(self, *mean_shards: np.ndarray) -> dict:
         """Apply the global mean gradient, in shards, to every replica. The shard

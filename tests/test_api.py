@@ -29,7 +29,7 @@ def wait_until(predicate, timeout_s=30.0):
 @pytest.fixture(scope="module")
 def sgd2x2(ray_local):
     sgd = dsgd.DistributedSGD(tiny.creator(2, 4, "adam"), num_workers=2, devices_per_worker=2,
-                              gpu=False, strategy="ps", grad_shard_bytes=64)
+                              gpu=False, strategy="ps", grad_shard_bytes=128)
     yield sgd
     sgd.shutdown()
 

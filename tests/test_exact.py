@@ -30,7 +30,10 @@ def run(num_workers, devices, strategy, optimizer, shard_bytes=10_000_000, num_p
             for weights in per_replica[1:]:
                 for a, b in zip(per_replica[0], weights):
                     np.testing.assert_array_equal(a, b)  # bit-identical, not just close
-        info = {"num_shards": sgd.plan.num_shards, "num_ps": len(sgd.ps_actors)}
+        plan = sgd.plan
+        info = {"num_shards": plan.num_shards, "num_ps": len(sgd.ps_actors),
+                "fused": any(len(shard.pieces) > 1 for shard in plan.shards),
+                "split": any(len(plan.pieces_of(v)) > 1 for v in range(len(plan.shapes)))}
         return initial, sgd.get_weights(), losses, info
 
 
@@ -39,8 +42,8 @@ CASES = [
     pytest.param(1, 1, "ps", "sgdm", 10_000_000, None, "simple", id="1x1-ps-sgdm"),
     pytest.param(1, 2, "simple", "adam", 10_000_000, None, "simple", id="1x2-simple-adam"),
     pytest.param(2, 1, "simple", "sgdm", 10_000_000, None, "simple", id="2x1-simple-sgdm"),
-    pytest.param(2, 1, "ps", "adam", 64, 1, "simple", id="2x1-ps-adam-5shards-1ps"),
-    pytest.param(2, 2, "ps", "sgdm", 64, None, "simple", id="2x2-ps-sgdm-split-fuse"),
+    pytest.param(2, 1, "ps", "adam", 64, 1, "simple", id="2x1-ps-adam-7shards-1ps"),
+    pytest.param(2, 2, "ps", "sgdm", 128, None, "simple", id="2x2-ps-sgdm-split-fuse"),
     pytest.param(2, 2, "simple", "adam", 10_000_000, None, "tree", id="2x2-simple-adam-tree"),
     pytest.param(2, 2, "ps", "adam", 100, 2, "tree", id="2x2-ps-adam-tree-3shards-2ps"),
 ]
@@ -59,13 +62,15 @@ def test_matches_single_process_training(workers, devices, strategy, optimizer, 
     # The weights must actually move, or the comparison above proves nothing.
     assert max(np.abs(a - b).max() for a, b in zip(final, initial)) > 1e-2
     if strategy == "ps" and workers > 1 and shard_bytes == 64:
-        assert info["num_shards"] == 5  # 264 bytes in 64-byte shards: split and fused
-        assert info["num_ps"] == (num_ps or 2)
+        assert info["num_shards"] == 7 and info["num_ps"] == 1  # more shards than PS actors
+        assert info["split"]
+    if strategy == "ps" and workers > 1 and shard_bytes == 128:
+        assert info["fused"] and info["split"] and info["num_ps"] == 2
 
 
 def test_simple_and_ps_agree():
     _, simple, simple_losses, _ = run(2, 2, "simple", "adam")
-    _, ps, ps_losses, _ = run(2, 2, "ps", "adam", shard_bytes=64)
+    _, ps, ps_losses, _ = run(2, 2, "ps", "adam", shard_bytes=128)
     for a, b in zip(simple, ps):
         np.testing.assert_allclose(a, b, rtol=0, atol=TOL)
     np.testing.assert_allclose(simple_losses, ps_losses, rtol=0, atol=TOL)

@@ -30,7 +30,7 @@ def two_nodes():
         cluster.shutdown()
 
 
-@pytest.mark.parametrize("strategy,shard_bytes", [("ps", 64), ("simple", 10_000_000)])
+@pytest.mark.parametrize("strategy,shard_bytes", [("ps", 128), ("simple", 10_000_000)])
 def test_exact_across_nodes(two_nodes, strategy, shard_bytes, tmp_path):
     assert len([n for n in ray.nodes() if n["Alive"]]) == 2
     with dsgd.DistributedSGD(tiny.creator(2, BATCH, "sgdm"), 2, 2, gpu=False, strategy=strategy,

@@ -19,7 +19,8 @@ def test_compute_then_apply_matches_a_plain_step(shard_bytes):
     replicas.configure(plan)
     initial = replicas.replicas[0].get_weights()
 
-    losses, shards = replicas.compute()
+    losses, flat_grads = replicas.compute()
+    pieces = replicas.shard_pieces(flat_grads)
     x, y = tiny.make_batch(0, 0, 4)
     reference = tiny.make_keras_model()
     reference.set_weights(initial)
@@ -27,12 +28,15 @@ def test_compute_then_apply_matches_a_plain_step(shard_bytes):
         loss = tiny.mse(reference, x, y)
     grads = tape.gradient(loss, reference.trainable_variables)
     expected = plan.pack([g.numpy().reshape(-1) for g in grads])
-    assert len(shards) == len(expected) == plan.num_shards
-    for got, want in zip(shards, expected):
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-7)
+    assert len(pieces) == len(expected) == plan.num_shards
+    for shard, got, want in zip(plan.shards, pieces, expected):
+        assert len(got) == len(shard.pieces)
+        for piece, view in zip(shard.pieces, got):
+            np.testing.assert_allclose(
+                view, want[piece.shard_offset:piece.shard_offset + piece.length], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(losses.numpy(), [loss.numpy()], rtol=1e-6)
 
-    replicas.apply([s.numpy() for s in shards])
+    replicas.apply(expected)
     tiny.make_optimizer("sgdm").apply_gradients(zip(grads, reference.trainable_variables))
     for got, want in zip(replicas.replicas[0].get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
@@ -44,5 +48,9 @@ def test_apply_rejects_wrong_shard_count():
     replicas = Replicas(tiny.creator(1, 4), 0, 1, False, "simple")
     info = replicas.setup()
     replicas.configure(plan_shards(info["shapes"], info["dtypes"], 64))
-    with pytest.raises(DsgdError, match="got 1 shards, the plan has 5"):
+    plan = replicas.plan
+    with pytest.raises(DsgdError, match=f"got 1 shards, the plan has {plan.num_shards}"):
         replicas.apply([np.zeros(16, np.float32)])
+    good = plan.pack([np.zeros(int(np.prod(s)), np.float32) for s in plan.shapes])
+    with pytest.raises(DsgdError, match="shard 0 must be a 1-D contiguous float32 array, got float64"):
+        replicas.apply([good[0].astype(np.float64)] + good[1:])

@@ -36,19 +36,30 @@ def test_round_trip_is_bit_exact(shard_bytes, dtypes):
 
 
 def test_small_tensors_are_fused_in_reverse_order():
-    plan = plan_shards(SHAPES, ["float32"] * 4, 10_000_000)
+    plan = plan_shards(SHAPES, ["float32"] * 4, 10_000_000, align_bytes=4)
     assert plan.num_shards == 1
     assert [p.var_index for p in plan.shards[0].pieces] == [3, 2, 1, 0]
     assert [p.shard_offset for p in plan.shards[0].pieces] == [0, 3, 24, 31]
 
 
 def test_large_tensor_is_split_and_shards_are_full():
-    plan = plan_shards(SHAPES, ["float32"] * 4, 64)  # 16 elements per shard
+    plan = plan_shards(SHAPES, ["float32"] * 4, 64, align_bytes=4)  # 16 elements per shard
     assert [s.num_elements for s in plan.shards] == [16, 16, 16, 16, 2]
     kernel = plan.pieces_of(0)  # 35 elements over four shards, after 3 + 21 + 7 others
     assert [(j, p.var_offset, p.length) for j, p in kernel] == [
         (1, 0, 1), (2, 1, 16), (3, 17, 16), (4, 33, 2)]
     assert {p.var_index for p in plan.shards[0].pieces} == {3, 2}  # bias fused with a kernel slice
+
+
+def test_pieces_start_64_byte_aligned_and_padding_is_zero():
+    plan = plan_shards(SHAPES, MIXED, 10_000_000)
+    for shard in plan.shards:
+        itemsize = np.dtype(shard.dtype).itemsize
+        assert all(p.shard_offset * itemsize % 64 == 0 for p in shard.pieces)
+    plan = plan_shards(SHAPES, ["float32"] * 4, 128)  # 32 elements: bias2 (3) + pad + 16 of kernel2
+    assert [(p.var_index, p.shard_offset, p.length) for p in plan.shards[0].pieces] == [(3, 0, 3), (2, 16, 16)]
+    packed = plan.pack(random_flat(SHAPES, ["float32"] * 4))
+    np.testing.assert_array_equal(packed[0][3:16], 0)
 
 
 def test_dtypes_never_share_a_shard():

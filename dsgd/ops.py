@@ -1,0 +1,126 @@
+"""Loader of dsgd's TensorFlow op library (csrc/tf_ops) and its thin wrappers.
+
+The library is built at install time against the TensorFlow of the build
+environment and only loaded here (never built at import, so concurrent first
+imports on many workers cannot race). A different TensorFlow at run time is an
+ImportError naming both versions: checked from package metadata when dsgd is
+imported, and from `tf.__version__` when the library is loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from importlib import metadata
+
+import numpy as np
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+LIBRARY_PATH = os.path.join(_HERE, "_dsgd_ops.so")
+VERSION_PATH = os.path.join(_HERE, "_tf_version.txt")
+_TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel")
+
+
+def built_tf_version() -> str:
+    try:
+        with open(VERSION_PATH) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        raise ImportError(f"dsgd's TensorFlow op library is missing ({VERSION_PATH}): dsgd was not "
+                          "built; install it with `pip install -e .` (or `pip install .`)") from None
+
+
+def check_versions(built: str, running: str) -> None:
+    if built != running:
+        raise ImportError(f"dsgd's TensorFlow ops were built against TensorFlow {built}, but "
+                          f"TensorFlow {running} is installed; rebuild dsgd against it with "
+                          "`pip install --force-reinstall --no-deps -e .`")
+
+
+def _installed_tf_version() -> str | None:
+    for name in _TF_DISTRIBUTIONS:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_installed_tf() -> None:
+    """Cheap check at `import dsgd` (no TensorFlow import)."""
+    running = _installed_tf_version()
+    if running is not None:
+        check_versions(built_tf_version(), running)
+
+
+@functools.lru_cache(maxsize=None)
+def library():
+    """The loaded op library (loaded once per process)."""
+    import tensorflow as tf
+
+    check_versions(built_tf_version(), tf.__version__)
+    lib = tf.load_op_library(LIBRARY_PATH)
+    tf.no_gradient("DsgdReadShards")  # reads raw memory: nothing to differentiate
+    return lib
+
+
+def read_shards(addresses, byte_sizes, plan) -> list:
+    """The variables' gradients (in plan variable order, shaped) read from shard
+    buffers: `addresses[j]`/`byte_sizes[j]` (int64 tensors) locate shard j, laid
+    out as `plan.shards[j]`.
+
+    Zero-copy where a variable sits whole in one shard at a 64-byte-aligned
+    address (the tensor aliases the buffer); copied otherwise. Ownership: the
+    caller keeps every buffer alive and unchanged until TensorFlow is done with
+    the returned tensors (in dsgd, until the compiled apply step returns).
+    """
+    import tensorflow as tf
+
+    lib = library()
+    outputs: list = [None] * len(plan.shapes)
+    for dtype in sorted(set(plan.dtypes)):
+        shard_ids = [j for j, s in enumerate(plan.shards) if s.dtype == dtype]
+        var_ids = [v for v, d in enumerate(plan.dtypes) if d == dtype]
+        local_shard = {j: k for k, j in enumerate(shard_ids)}
+        pieces = []
+        for k, v in enumerate(var_ids):
+            for j, p in plan.pieces_of(v):
+                pieces += [k, p.var_offset, p.length, local_shard[j], p.shard_offset]
+        index = tf.constant(shard_ids, tf.int32)
+        results = lib.dsgd_read_shards(
+            addresses=tf.gather(addresses, index), byte_sizes=tf.gather(byte_sizes, index),
+            T=tf.as_dtype(dtype), num_outputs=len(var_ids),
+            shapes=[list(plan.shapes[v]) for v in var_ids],
+            shard_elements=[plan.shards[j].num_elements for j in shard_ids], pieces=pieces)
+        for v, tensor in zip(var_ids, results):
+            outputs[v] = tensor
+    return outputs
+
+
+class _DLPackCapsule:
+    """Hands numpy a TensorFlow DLPack capsule (numpy asks for an object)."""
+
+    def __init__(self, capsule):
+        self.capsule = capsule
+
+    def __dlpack__(self, stream=None, **kwargs):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)  # kDLCPU
+
+
+def tensor_view(tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory, without copying. The view keeps the
+    tensor's buffer alive; do not write to it. Dtypes numpy cannot take over
+    DLPack (e.g. bfloat16) are copied with `.numpy()` instead."""
+    import tensorflow as tf
+
+    try:
+        return np.from_dlpack(_DLPackCapsule(tf.experimental.dlpack.to_dlpack(tensor)))
+    except (TypeError, BufferError, RuntimeError, tf.errors.InvalidArgumentError):
+        return tensor.numpy()
+
+
+def buffer_address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
