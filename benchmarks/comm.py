@@ -89,9 +89,9 @@ def plain_s(mib: float, steps: int, warmup: int) -> float:
     return median_time(lambda: step().numpy(), steps, warmup)
 
 
-def dsgd_s(mib, workers, num_ps, steps, warmup):
+def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes):
     with dsgd.DistributedSGD(lambda w, d: FlatModel(mib), workers, 1, gpu=False, strategy="ps",
-                             num_ps=num_ps) as sgd:
+                             num_ps=num_ps, grad_shard_bytes=shard_bytes) as sgd:
         stats = [sgd.step(fetch_stats=True) for _ in range(warmup + steps)][warmup:]
     return {k: statistics.median(s[k] for s in stats)
             for k in ("step_s", "compute_s", "exchange_s", "apply_s")}
@@ -105,17 +105,23 @@ def peer_s(mib, workers, num_ps, steps, warmup):
     class PeerWorker:
         def __init__(self):
             self.grad = np.full(int(mib * MIB) // 4, 1e-3, np.float32)
+            self.parts = np.array_split(self.grad, num_ps)  # views
 
         def grads(self):
-            return tuple(np.array_split(self.grad, num_ps))
+            return tuple(self.parts)  # Ray copies each part into the store
 
         def apply(self, *means):
-            self.grad[:] = np.concatenate(means)  # stands in for the optimizer's read
+            for part, mean in zip(self.parts, means):  # stands in for the optimizer's read
+                np.copyto(part, mean)
 
     @ray.remote(num_cpus=0)
     class PeerPS:
         def mean(self, *parts):
-            return np.sum(parts, axis=0) / len(parts)
+            out = parts[0] + parts[1] if len(parts) > 1 else parts[0].copy()
+            for p in parts[2:]:
+                out += p
+            out *= np.float32(1.0 / len(parts))
+            return out
 
     ws = [PeerWorker.remote() for _ in range(workers)]
     ps = [PeerPS.remote() for _ in range(num_ps)]
@@ -160,18 +166,24 @@ def main(argv=None):
     p.add_argument("--ps", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--shard-mb", type=float, default=10.0,
+                   help="grad_shard_bytes in MB (10 is dsgd's default)")
+    p.add_argument("--preallocate-store", action="store_true",
+                   help="populate the object store's pages at start (RAY_preallocate_plasma_memory)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "comm.json"))
     args = p.parse_args(argv)
     import ray
 
-    store = int(max(args.sizes) * MIB * (args.workers + args.ps) * 6)
+    store = int(max(args.sizes) * MIB * (args.workers + args.ps) * 3)
+    if args.preallocate_store:
+        os.environ["RAY_preallocate_plasma_memory"] = "1"
     ray.init(address="local", num_cpus=max(4, args.workers), object_store_memory=store,
              include_dashboard=False, log_to_driver=False)
     rows = []
     for mib in args.sizes:
         row = {"mib": mib, "workers": args.workers, "num_ps": args.ps,
                "memcpy_s": memcpy_s(mib, args.steps), "plain_s": plain_s(mib, args.steps, args.warmup)}
-        phases = dsgd_s(mib, args.workers, args.ps, args.steps, args.warmup)
+        phases = dsgd_s(mib, args.workers, args.ps, args.steps, args.warmup, int(args.shard_mb * 1e6))
         row.update(dsgd_s=phases["step_s"], dsgd_phases=phases)
         row["peer_s"] = peer_s(mib, args.workers, args.ps, args.steps, args.warmup)
         row["bound_s"] = 2 * row["memcpy_s"]
@@ -184,7 +196,8 @@ def main(argv=None):
               f"= {row['exchange_over_bound']:.2f} x (2 x memcpy); plain-Ray peer {1e3 * row['peer_s']:.1f} ms "
               f"({row['peer_over_exchange']:.2f} x dsgd's exchange)", flush=True)
     result = {"benchmark": "comm", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "steps": args.steps, "warmup": args.warmup, "rows": rows}
+              "steps": args.steps, "warmup": args.warmup, "grad_shard_bytes": int(args.shard_mb * 1e6),
+              "preallocate_store": args.preallocate_store, "object_store_bytes": store, "rows": rows}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

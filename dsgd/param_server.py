@@ -15,6 +15,10 @@ from dsgd.sharding import Shard
 class ParameterServer:
     def __init__(self, ps_index: int):
         self.ps_index = ps_index
+        # Scratch output buffers, reused step after step so that summing never
+        # touches fresh pages (first touch costs more than the sum on a VM).
+        # Ray copies the returned array into the store before the next call.
+        self._scratch: dict = {}
 
     def ready(self) -> dict:
         import ray
@@ -25,11 +29,17 @@ class ParameterServer:
         """Mean of one shard over every worker. Each worker's shard arrives as the
         tuple of its pieces (read-only object-store views; read, never kept).
         Returns the shard's buffer laid out as `shard` says, padding zeroed."""
-        return mean_shard(shard, worker_pieces)
+        key = (shard.dtype, shard.num_elements)
+        if key not in self._scratch:
+            self._scratch[key] = np.zeros(shard.num_elements, shard.dtype)
+        return mean_shard(shard, worker_pieces, out=self._scratch[key])
 
 
-def mean_shard(shard: Shard, worker_pieces) -> np.ndarray:
-    out = np.empty(shard.num_elements, shard.dtype)
+def mean_shard(shard: Shard, worker_pieces, out: np.ndarray | None = None) -> np.ndarray:
+    """Mean over workers of one shard given as each worker's tuple of pieces,
+    written into `out` (a new array if None) in the shard's layout."""
+    if out is None:
+        out = np.empty(shard.num_elements, shard.dtype)
     scale = 1.0 / len(worker_pieces)
     cursor = 0
     for k, piece in enumerate(shard.pieces):

@@ -4,9 +4,9 @@ Pure Python and numpy, no TensorFlow: the driver computes one plan from the
 variables' shapes and every worker packs and unpacks with it.
 
 Gradients are taken in reverse variable order (the last layers' gradients are
-ready first) and packed greedily into shards of at most `shard_bytes`: small
-tensors are fused into one shard, a tensor larger than the room left is split
-across shards. A shard holds one dtype only. Every piece starts at a multiple of
+ready first) and packed into shards of at most `shard_bytes`: small tensors are
+fused into one shard, a tensor that does not fit in the room left starts a new
+shard, and only a tensor larger than a whole shard is split across shards. A shard holds one dtype only. Every piece starts at a multiple of
 `align_bytes` within its shard (zero padding between pieces), so a variable held
 whole by one shard can be read from it in place, without a copy.
 """
@@ -114,6 +114,10 @@ def plan_shards(shapes: Sequence[Sequence[int]], dtypes: Sequence[str],
             close()
             dtype = dtypes[v]
         size = math.prod(shapes[v])
+        # A variable that fits in a shard is never split (it starts a new shard if
+        # the open one is too full): whole variables are read without a copy.
+        if size <= capacity and -(-used // align) * align + size > capacity:
+            close()
         offset = 0
         while offset < size:
             used = -(-used // align) * align

@@ -56,10 +56,19 @@ def test_pieces_start_64_byte_aligned_and_padding_is_zero():
     for shard in plan.shards:
         itemsize = np.dtype(shard.dtype).itemsize
         assert all(p.shard_offset * itemsize % 64 == 0 for p in shard.pieces)
-    plan = plan_shards(SHAPES, ["float32"] * 4, 128)  # 32 elements: bias2 (3) + pad + 16 of kernel2
-    assert [(p.var_index, p.shard_offset, p.length) for p in plan.shards[0].pieces] == [(3, 0, 3), (2, 16, 16)]
+    plan = plan_shards(SHAPES, ["float32"] * 4, 128)  # 32 elements a shard, pieces at multiples of 16
+    layout = [[(p.var_index, p.shard_offset, p.length) for p in s.pieces] for s in plan.shards]
+    assert layout == [[(3, 0, 3)], [(2, 0, 21)], [(1, 0, 7), (0, 16, 16)], [(0, 0, 19)]]
     packed = plan.pack(random_flat(SHAPES, ["float32"] * 4))
-    np.testing.assert_array_equal(packed[0][3:16], 0)
+    np.testing.assert_array_equal(packed[2][7:16], 0)
+
+
+def test_a_variable_that_fits_in_a_shard_is_never_split():
+    shapes = [(10,), (30,), (5,), (100,)]
+    plan = plan_shards(shapes, ["float32"] * 4, 160)  # 40 elements
+    for v, shape in enumerate(shapes):
+        pieces = plan.pieces_of(v)
+        assert len(pieces) == (1 if shape[0] <= 40 else 3), (v, pieces)
 
 
 def test_dtypes_never_share_a_shard():
