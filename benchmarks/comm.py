@@ -139,7 +139,7 @@ def peer_s(mib, workers, num_ps, steps, warmup):
             ray.kill(a)
 
 
-def chart(rows, path):
+def chart(rows, path, shard_bytes):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,7 +152,8 @@ def chart(rows, path):
         ax.plot(sizes, [1000 * r[key] for r in rows], marker="o", label=label)
     ax.set_xlabel("gradient MiB per worker")
     ax.set_ylabel("median ms per step")
-    ax.set_title(f"{rows[0]['workers']} workers, {rows[0]['num_ps']} PS actors")
+    ax.set_title(f"{rows[0]['workers']} workers, {rows[0]['num_ps']} PS actors, "
+                 f"{shard_bytes / 1e6:g} MB shards")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -201,7 +202,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    chart(rows, os.path.splitext(args.out)[0] + ".png")
+    chart(rows, os.path.splitext(args.out)[0] + ".png", result["grad_shard_bytes"])
     return result
 
 
