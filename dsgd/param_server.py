@@ -51,16 +51,3 @@ def mean_shard(shard: Shard, worker_pieces, out: np.ndarray | None = None) -> np
             raise ValueError(f"piece {k} of the shard (variable {piece.var_index}): {e}") from e
         cursor = end
     return out
-
-
-def mean_of(shards) -> np.ndarray:
-    """(shards[0] + ... + shards[n-1]) * (1/n), summed left to right in the
-    shards' dtype by the native kernel."""
-    first = shards[0]
-    for i, s in enumerate(shards):
-        if s.dtype != first.dtype or s.shape != first.shape:
-            raise ValueError(f"shard from worker {i} is {s.dtype}{s.shape}, worker 0's is "
-                             f"{first.dtype}{first.shape}")
-    out = np.empty_like(first)
-    _core.sum_scaled(list(shards), out, 1.0 / len(shards))
-    return out

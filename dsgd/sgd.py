@@ -124,6 +124,7 @@ class DistributedSGD:
         import ray
 
         self.ps_assignment: list[int] = []
+        self.ps_info: list[dict] = []
         if self.strategy != "ps" or self.num_workers == 1:
             return
         num_shards = self.plan.num_shards

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from dsgd import _core
-from dsgd.param_server import mean_of
+from dsgd.param_server import mean_shard
+from dsgd.sharding import plan_shards
 
 SIZES = [1, 17, 1000, _core.MIN_ELEMENTS_PER_THREAD * 2 + 5]
 
@@ -27,10 +28,18 @@ def test_sum_scaled_is_bit_exact(dtype, num_inputs, size, max_threads):
     np.testing.assert_array_equal(out, expected)
 
 
-def test_mean_of_matches_numpy_mean():
+def test_mean_shard_averages_pieces_into_the_shard_layout():
+    shapes = [(40,), (3,), (7,)]
+    plan = plan_shards(shapes, ["float32"] * 3, 10_000_000)
+    shard = plan.shards[0]
     rng = np.random.default_rng(0)
-    shards = [rng.normal(size=1000).astype(np.float32) for _ in range(3)]
-    np.testing.assert_allclose(mean_of(shards), np.mean(shards, axis=0), rtol=1e-6, atol=1e-7)
+    per_worker = [[rng.normal(size=s[0]).astype(np.float32) for s in shapes] for _ in range(3)]
+    pieces = [tuple(flat[p.var_index] for p in shard.pieces) for flat in per_worker]
+    out = np.full(shard.num_elements, np.nan, np.float32)  # padding must be overwritten with 0
+    mean_shard(shard, pieces, out=out)
+    expected = plan.pack([functools.reduce(np.add, [w[v] for w in per_worker]) * np.float32(1 / 3)
+                          for v in range(3)])[0]
+    np.testing.assert_array_equal(out, expected)
 
 
 def test_bad_input_is_a_python_error():
@@ -49,8 +58,9 @@ def test_bad_input_is_a_python_error():
         _core.sum_scaled([a], readonly, 1.0)
     with pytest.raises(TypeError, match="not supported"):
         _core.sum_scaled([np.ones(4, np.int32)], np.ones(4, np.int32), 1.0)
-    with pytest.raises(ValueError, match="shard from worker 1 is float32"):
-        mean_of([a, np.ones(3, np.float32)])
+    shard = plan_shards([(4,)], ["float32"], 64).shards[0]
+    with pytest.raises(ValueError, match=r"piece 0 of the shard \(variable 0\): .*inputs\[1\] has 3 elements"):
+        mean_shard(shard, [(a,), (np.ones(3, np.float32),)])
 
 
 @pytest.mark.parametrize("sizes", [[1], [3, 0, 5], [1000, 7, 64], [_core.MIN_BYTES_PER_THREAD, 12345, 3]])
