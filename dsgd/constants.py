@@ -9,8 +9,6 @@ DEFAULT_GRAD_SHARD_BYTES = 10_000_000
 DEFAULT_STEP_TIMEOUT_S = 600.0
 # Worker start-up (import TensorFlow, build replicas) must finish within this.
 DEFAULT_START_TIMEOUT_S = 600.0
-# Small driver-side calls: weights, checkpoints, foreach_*.
-DEFAULT_CALL_TIMEOUT_S = 600.0
 # CPUs Ray reserves for each worker actor (its devices run in that process).
 DEFAULT_NUM_CPUS_PER_WORKER = 1
 # PS actors only sum buffers; they reserve no CPU slot so that they never keep

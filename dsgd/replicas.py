@@ -14,7 +14,7 @@ import numpy as np
 
 from dsgd import allreduce, ops
 from dsgd.errors import DsgdError, ModelMismatchError, ResourceError
-from dsgd.model import Model, _name
+from dsgd.model import Model, _name, _np_dtype
 from dsgd.sharding import ShardPlan
 
 
@@ -182,6 +182,10 @@ class Replicas:
         return batches
 
 
+def _dtype_name(variable) -> str:
+    return _np_dtype(variable).name
+
+
 def _configure_devices(num: int, gpu: bool) -> list[str]:
     import tensorflow as tf
 
@@ -208,8 +212,3 @@ def _configure_devices(num: int, gpu: bool) -> list[str]:
                 raise DsgdError(f"cannot split the CPU into {num} logical devices: TensorFlow "
                                 f"was already initialised in this process with {have}") from e
     return [f"/device:CPU:{i}" for i in range(num)]
-
-
-def _dtype_name(variable) -> str:
-    dtype = variable.dtype
-    return np.dtype(getattr(dtype, "as_numpy_dtype", dtype)).name
