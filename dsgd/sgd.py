@@ -141,12 +141,13 @@ class DistributedSGD:
         for j in range(num_ps):
             name = f"{constants.PS_NAME_PREFIX}{j}-{self._suffix}"
             # PS j lives beside worker j (round-robin): every node that sends
-            # gradients also sums its share, as in BytePS. Soft: any node will do
-            # if that one is gone.
+            # gradients also sums its share, as in BytePS. Hard affinity: a soft one
+            # was seen to fall back to another node even though a 0-CPU actor fits;
+            # start-up is bounded by start_timeout_s either way.
             node_id = self.worker_info[j % self.num_workers]["node_id"]
             handle = ps_cls.options(
                 name=name, num_cpus=constants.PS_NUM_CPUS,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=True)).remote(j)
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(j)
             self.ps_actors.append(handle)
             self._names[id(handle)] = name
         self.ps_info = self._wait([p.ready.remote() for p in self.ps_actors], self.ps_actors,
