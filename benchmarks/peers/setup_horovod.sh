@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Builds Horovod 0.28.1 (the last release) from its PyPI sdist against the
+# TensorFlow installed in the current Python environment, for benchmarks/peers.
+#
+#     bash benchmarks/peers/setup_horovod.sh        # PYTHON=/path/to/python to pick another
+#
+# Its release does not build against TensorFlow 2.21 as-is: one source file,
+# horovod/tensorflow/xla_mpi_ops.cc (the XLA custom-call bridge, unused here),
+# no longer compiles. The script drops that file from Horovod's CMake source
+# list and builds the TensorFlow + Gloo parts only (no MPI, PyTorch or MXNet),
+# ~80 s on 2 cores. Nothing is kept in the repository; the sdist is unpacked
+# into a temporary directory that is removed afterwards.
+set -euo pipefail
+PY=${PYTHON:-python}
+VERSION=0.28.1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+"$PY" -c "import tensorflow as tf; print('building Horovod $VERSION against TensorFlow', tf.__version__)"
+"$PY" -m pip install --quiet cmake setuptools wheel cloudpickle psutil pyyaml packaging
+"$PY" -m pip download --quiet "horovod==$VERSION" --no-deps --no-binary :all: -d "$work"
+tar xzf "$work/horovod-$VERSION.tar.gz" -C "$work"
+src="$work/horovod-$VERSION"
+grep -q 'xla_mpi_ops.cc' "$src/horovod/tensorflow/CMakeLists.txt" || {
+    echo "setup_horovod: xla_mpi_ops.cc is not in Horovod's CMake list any more; check the patch" >&2
+    exit 1
+}
+sed -i '/xla_mpi_ops\.cc/d' "$src/horovod/tensorflow/CMakeLists.txt"
+HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=gloo \
+    MAKEFLAGS="-j$(nproc)" "$PY" -m pip install --no-build-isolation --no-deps --no-cache-dir "$src"
+"$PY" -c "import horovod, horovod.tensorflow as hvd; print('horovod', horovod.__version__, 'built; gloo:', hvd.gloo_built())"
