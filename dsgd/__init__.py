@@ -1,6 +1,7 @@
 """dsgd: synchronous data-parallel SGD for TensorFlow/Keras on Ray."""
 
-from dsgd.errors import DsgdError, ModelMismatchError, ResourceError, StepTimeoutError
+from dsgd.errors import (CheckpointError, DsgdError, ModelMismatchError, NonFiniteError,
+                         ResourceError, StepTimeoutError)
 from dsgd.model import KerasModel, Model
 from dsgd.sgd import DistributedSGD
 
@@ -14,5 +15,7 @@ __all__ = [
     "StepTimeoutError",
     "ResourceError",
     "ModelMismatchError",
+    "CheckpointError",
+    "NonFiniteError",
     "__version__",
 ]

@@ -11,7 +11,8 @@ from dsgd.errors import ResourceError
 
 
 def check_args(model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
-                all_reduce_alg, num_ps, num_cpus_per_worker, step_timeout_s, start_timeout_s):
+               all_reduce_alg, num_ps, num_cpus_per_worker, step_timeout_s, start_timeout_s,
+               stall_warning_s=None, on_nonfinite="raise", max_failures=0, elastic=False):
     if not callable(model_creator):
         raise TypeError(f"model_creator must be callable as (worker_index, device_index) -> "
                         f"dsgd.Model, got {type(model_creator).__name__}")
@@ -30,10 +31,21 @@ def check_args(model_creator, num_workers, devices_per_worker, gpu, strategy, gr
     if strategy not in constants.STRATEGIES:
         raise ValueError(f"strategy must be one of {list(constants.STRATEGIES)}, got {strategy!r}")
     check_algorithm(all_reduce_alg, gpu)
-    for name, value in (("num_cpus_per_worker", num_cpus_per_worker),
-                        ("step_timeout_s", step_timeout_s), ("start_timeout_s", start_timeout_s)):
+    numbers = [("num_cpus_per_worker", num_cpus_per_worker), ("step_timeout_s", step_timeout_s),
+               ("start_timeout_s", start_timeout_s)]
+    if stall_warning_s is not None:
+        numbers.append(("stall_warning_s", stall_warning_s))
+    for name, value in numbers:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if on_nonfinite not in constants.ON_NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {list(constants.ON_NONFINITE)}, "
+                         f"got {on_nonfinite!r}")
+    if isinstance(max_failures, bool) or not isinstance(max_failures, (int, np.integer)) \
+            or max_failures < 0:
+        raise ValueError(f"max_failures must be an int >= 0, got {max_failures!r}")
+    if not isinstance(elastic, bool):
+        raise TypeError(f"elastic must be True or False, got {elastic!r}")
 
 
 def check_resources(num_workers: int, devices_per_worker: int, gpu: bool, num_cpus: float) -> None:
@@ -58,3 +70,27 @@ def check_resources(num_workers: int, devices_per_worker: int, gpu: bool, num_cp
         f"{num_workers * num_cpus:g} CPU and {num_workers * need_gpus} GPU, each worker's GPUs on one "
         f"node; the cluster has {total_cpu:g} CPU and {total_gpu:g} GPU in {len(nodes)} node(s) "
         f"({per_node}) and fits only {fit} worker(s).{hint}")
+
+
+def check_store(plan, num_workers: int) -> None:
+    """Fail fast when the object store cannot hold one step's objects: every
+    worker's gradient shards plus the mean shards are alive at once."""
+    import ray
+    from ray._private.state import total_resources_per_node
+
+    if num_workers == 1:
+        return  # one worker exchanges nothing through the store
+    grad_bytes = sum(s.nbytes for s in plan.shards)
+    need = (num_workers + 1) * grad_bytes
+    stores = [r.get("object_store_memory", 0) for r in total_resources_per_node().values()]
+    have = sum(stores) or ray.cluster_resources().get("object_store_memory", 0)
+    largest = max(s.nbytes for s in plan.shards)
+    if need <= have and largest <= min(stores or [have]):
+        return
+    raise ResourceError(
+        f"the object store is too small: one step with {num_workers} workers holds "
+        f"{num_workers + 1} x {grad_bytes / 1e6:.1f} MB of gradient shards at once "
+        f"({need / 1e6:.1f} MB; largest shard {largest / 1e6:.1f} MB), but object_store_memory is "
+        f"{have / 1e6:.1f} MB in all ({', '.join(f'{x / 1e6:.1f}' for x in stores)} MB per node). "
+        f"Start Ray with object_store_memory >= {int(need * 1.5)} bytes (ray.init(object_store_memory=...) "
+        "or ray start --object-store-memory), or use fewer workers.")

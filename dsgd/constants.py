@@ -15,5 +15,17 @@ DEFAULT_NUM_CPUS_PER_WORKER = 1
 # a worker from being scheduled on a small node.
 PS_NUM_CPUS = 0
 
+# What a step does with a NaN/Inf gradient (see DistributedSGD's on_nonfinite).
+ON_NONFINITE = ("raise", "skip", "ignore")
+# Actor deaths a DistributedSGD survives over its life before giving up.
+DEFAULT_MAX_FAILURES = 3
+# Longest interval between stall reports while a wait is pending, in seconds
+# (Horovod's stall inspector warns after 60 s).
+MAX_STALL_WARNING_S = 60.0
+# The same while workers start (import TensorFlow, build and compile: seconds by nature).
+START_STALL_WARNING_S = 30.0
+# elastic=True: how often a shrunk DistributedSGD looks for room to grow back, in seconds.
+GROW_CHECK_INTERVAL_S = 10.0
+
 WORKER_NAME_PREFIX = "dsgd-worker-"
 PS_NAME_PREFIX = "dsgd-ps-"

@@ -15,3 +15,11 @@ class ResourceError(DsgdError, ValueError):
 
 class ModelMismatchError(DsgdError, ValueError):
     """Replicas (or a checkpoint) disagree on variable count, shape or dtype."""
+
+
+class CheckpointError(DsgdError, ValueError):
+    """A checkpoint is truncated or corrupt; the message names the file. Nothing was changed."""
+
+
+class NonFiniteError(DsgdError, FloatingPointError):
+    """A gradient had NaN or Inf; names the step, worker and replica. Nothing was applied."""

@@ -25,6 +25,12 @@ class ParameterServer:
 
         return {"node_id": ray.get_runtime_context().get_node_id()}
 
+    def ping(self) -> dict:
+        """Liveness; runs after every call queued before it."""
+        import os
+
+        return {"pid": os.getpid()}
+
     def mean(self, shard: Shard, *worker_pieces: tuple[np.ndarray, ...]) -> np.ndarray:
         """Mean of one shard over every worker. Each worker's shard arrives as the
         tuple of its pieces (read-only object-store views; read, never kept).

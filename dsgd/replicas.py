@@ -84,23 +84,26 @@ class Replicas:
                 raise ModelMismatchError(f"{where} shares its optimizer with another replica: "
                                          "create the optimizer inside model_creator")
 
-    def configure(self, plan: ShardPlan) -> None:
-        """Compile the step functions for this shard plan."""
+    def configure(self, plan: ShardPlan, check_finite: bool = True) -> None:
+        """Compile the step functions for this shard plan. With `check_finite`,
+        every replica's gradient is checked for NaN/Inf (one extra read of it)."""
         import tensorflow as tf
 
         self.plan = plan
+        self.check_finite = check_finite
         self._local_step_fn = tf.function(self._local_step_graph, reduce_retracing=True)
         self._compute_fn = tf.function(self._compute_graph, reduce_retracing=True)
         self._apply_fn = tf.function(self._apply_graph, reduce_retracing=True)
 
     def local_step(self):
-        """Next batches -> gradients -> local mean -> apply, in one compiled call.
-        Returns the replicas' losses (a float32 tensor of shape [D])."""
+        """Next batches -> gradients -> local mean -> apply, in one compiled call;
+        nothing is applied if any replica's gradient is not finite.
+        Returns (losses: float32 [D], finite: bool [D])."""
         return self._local_step_fn(self.next_batches())
 
     def compute(self):
-        """Next batches -> gradients -> local mean, in one compiled call.
-        Returns (losses [D], the mean gradient of every variable, flattened)."""
+        """Next batches -> gradients -> local mean, in one compiled call. Returns
+        (losses [D], finite [D], the mean gradient of every variable, flattened)."""
         return self._compute_fn(self.next_batches())
 
     def shard_pieces(self, flat_grads) -> list[tuple[np.ndarray, ...]]:
@@ -135,7 +138,7 @@ class Replicas:
     def _replica_means(self, batches):
         import tensorflow as tf
 
-        losses, grads = [], []
+        losses, grads, finite = [], [], []
         for i, (replica, batch) in enumerate(zip(self.replicas, batches)):
             with tf.device(self.devices[i]), tf.name_scope(f"device_{i}"):
                 with tf.GradientTape() as tape:
@@ -147,8 +150,9 @@ class Replicas:
                 grads.append([tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
                               for g, v in zip(raw, self.variables[i])])
                 losses.append(tf.cast(loss, tf.float32))
+                finite.append(_all_finite(grads[-1]) if self.check_finite else tf.constant(True))
         means = allreduce.mean_across_devices(grads, self.devices, self.all_reduce_alg)
-        return tf.stack(losses), means
+        return tf.stack(losses), tf.stack(finite), means
 
     def _apply_means(self, means) -> None:
         import tensorflow as tf
@@ -158,15 +162,24 @@ class Replicas:
                 optimizer.apply_gradients(zip(means[i], variables))
 
     def _local_step_graph(self, batches):
-        losses, means = self._replica_means(batches)
+        import tensorflow as tf
+
+        losses, finite, means = self._replica_means(batches)
+        if self.check_finite:
+            tf.cond(tf.reduce_all(finite), lambda: self._apply_and_true(means), lambda: False)
+        else:
+            self._apply_means(means)
+        return losses, finite
+
+    def _apply_and_true(self, means):
         self._apply_means(means)
-        return losses
+        return True
 
     def _compute_graph(self, batches):
         import tensorflow as tf
 
-        losses, means = self._replica_means(batches)
-        return losses, [tf.reshape(g, [-1]) for g in means[0]]
+        losses, finite, means = self._replica_means(batches)
+        return losses, finite, [tf.reshape(g, [-1]) for g in means[0]]
 
     def _apply_graph(self, addresses, byte_sizes):
         grads = ops.read_shards(addresses, byte_sizes, self.plan)
@@ -180,6 +193,13 @@ class Replicas:
             batch = replica.get_batch()
             batches.append(None if batch is None else tf.nest.map_structure(tf.convert_to_tensor, batch))
         return batches
+
+
+def _all_finite(grads):
+    import tensorflow as tf
+
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads
+                          if g.dtype.is_floating])
 
 
 def _dtype_name(variable) -> str:

@@ -1,20 +1,22 @@
-"""`DistributedSGD`: the driver. It plans shards, starts actors and drives steps;
-workers and PS actors only execute."""
+"""`DistributedSGD`: the driver. It plans shards, starts actors, drives steps and
+decides what to do when actors fail; workers and PS actors only execute."""
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from typing import Any, Callable
 
 import numpy as np
 
-from dsgd import checkpoint, constants, ops
-from dsgd.arguments import check_args, check_resources
-from dsgd.errors import DsgdError, ModelMismatchError, StepTimeoutError
+from dsgd import checkpoint, constants, failures, ops
+from dsgd.actors import ActorSet, actor_died_errors, placeable_workers
+from dsgd.arguments import check_args, check_resources, check_store
+from dsgd.errors import DsgdError, ModelMismatchError, NonFiniteError
 from dsgd.model import Model
-from dsgd.param_server import ParameterServer, mean_shard
+from dsgd.param_server import mean_shard
 from dsgd.sharding import ShardPlan, assign_shards, plan_shards, whole_plan
 from dsgd.worker import Worker
 
@@ -45,10 +47,23 @@ class DistributedSGD:
         num_cpus_per_worker: CPUs Ray reserves for each worker.
         step_timeout_s: longest wait for one step (or one call) before
             `StepTimeoutError`, in seconds.
-        start_timeout_s: longest wait for the workers to start and build replicas.
+        start_timeout_s: longest wait for workers to start and build replicas.
+        stall_warning_s: while a wait is pending, log a stall report naming the
+            actors that have not answered every this many seconds (default:
+            a quarter of `step_timeout_s`, at most 60 s).
+        on_nonfinite: a gradient with NaN/Inf: "raise" `NonFiniteError` naming
+            the step, worker and replica; "skip" the step (weights unchanged,
+            counted in the stats); "ignore" (no check, no extra pass over the gradients).
+        max_failures: actor deaths survived over the object's life; one more
+            raises `DsgdError`. A dead worker or PS actor is replaced and the
+            interrupted step retried (see README "Fault tolerance").
+        elastic: when a dead worker cannot be replaced for lack of resources,
+            continue with fewer workers (a smaller global batch), and add
+            workers back when resources return. Without it, that is an error.
 
     Raises, before any actor starts: TypeError/ValueError for bad arguments,
-    `ResourceError` when the cluster cannot hold the workers.
+    `ResourceError` when the cluster cannot hold the workers (or, after the
+    workers have built their models, when the object store cannot hold a step).
     """
 
     def __init__(self, model_creator: Callable[[int, int], Model], num_workers: int,
@@ -57,53 +72,92 @@ class DistributedSGD:
                  all_reduce_alg: str = "simple", num_ps: int | None = None, *,
                  num_cpus_per_worker: float = constants.DEFAULT_NUM_CPUS_PER_WORKER,
                  step_timeout_s: float = constants.DEFAULT_STEP_TIMEOUT_S,
-                 start_timeout_s: float = constants.DEFAULT_START_TIMEOUT_S):
+                 start_timeout_s: float = constants.DEFAULT_START_TIMEOUT_S,
+                 stall_warning_s: float | None = None, on_nonfinite: str = "raise",
+                 max_failures: int = constants.DEFAULT_MAX_FAILURES, elastic: bool = False):
         check_args(model_creator, num_workers, devices_per_worker, gpu, strategy,
-                    grad_shard_bytes, all_reduce_alg, num_ps, num_cpus_per_worker,
-                    step_timeout_s, start_timeout_s)
+                   grad_shard_bytes, all_reduce_alg, num_ps, num_cpus_per_worker,
+                   step_timeout_s, start_timeout_s, stall_warning_s, on_nonfinite,
+                   max_failures, elastic)
         import ray
 
         if not ray.is_initialized():
             ray.init()
         self.num_workers = num_workers
+        self.target_workers = num_workers
         self.devices_per_worker = devices_per_worker
         self.gpu = gpu
         self.strategy = strategy
         self.grad_shard_bytes = grad_shard_bytes
         self.all_reduce_alg = all_reduce_alg
         self.step_timeout_s = float(step_timeout_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self.on_nonfinite = on_nonfinite
+        self.max_failures = max_failures
+        self.elastic = elastic
         self.steps_done = 0
-        self.workers: list = []
-        self.ps_actors: list = []
-        self._names: dict = {}  # actor handle id -> readable name
+        self.skipped_steps = 0
+        self.failures: list[dict] = []   # one record per recovered failure
+        self._num_ps = num_ps
+        self._last_checkpoint: str | None = None
+        self._next_grow_check = 0.0
         self._suffix = uuid.uuid4().hex[:6]
         check_resources(num_workers, devices_per_worker, gpu, num_cpus_per_worker)
+        options = {"num_cpus": num_cpus_per_worker, "scheduling_strategy": "SPREAD"}
+        if gpu:
+            options["num_gpus"] = devices_per_worker
+        stall_s = stall_warning_s or min(constants.MAX_STALL_WARNING_S, self.step_timeout_s / 4)
+        self.actors = ActorSet((model_creator, devices_per_worker, gpu, all_reduce_alg), options,
+                               self._suffix, stall_s)
         try:
-            self._start_workers(model_creator, num_cpus_per_worker, start_timeout_s)
-            self._start_ps(num_ps, start_timeout_s)
+            self._start_workers(list(range(num_workers)), first=True)
+            self._start_ps(num_ps)
             self._broadcast_state()  # everyone starts from worker 0 / replica 0
         except BaseException:
             self.shutdown()
             raise
 
-    def _start_workers(self, model_creator, num_cpus: float, timeout_s: float) -> None:
-        import ray
+    # -- actors -----------------------------------------------------------------
+    @property
+    def workers(self) -> list:
+        return self.actors.workers
 
-        options = {"num_cpus": num_cpus, "scheduling_strategy": "SPREAD"}
-        if self.gpu:
-            options["num_gpus"] = self.devices_per_worker
-        worker_cls = ray.remote(Worker)
-        for i in range(self.num_workers):
-            name = f"{constants.WORKER_NAME_PREFIX}{i}-{self._suffix}"
-            handle = worker_cls.options(name=name, **options).remote(
-                model_creator, i, self.devices_per_worker, self.gpu, self.all_reduce_alg)
-            self.workers.append(handle)
-            self._names[id(handle)] = name
-        refs = [w.setup.remote() for w in self.workers]
-        self.worker_info = self._wait(refs, self.workers, "starting (setup: import TensorFlow, "
-                                      "build replicas)", timeout_s)
-        first = self.worker_info[0]
-        for i, info in enumerate(self.worker_info[1:], start=1):
+    @property
+    def ps_actors(self) -> list:
+        return [p for p in self.actors.ps if p is not None]
+
+    @property
+    def worker_info(self) -> list[dict]:
+        """What each worker's setup reported (node_id, pid, devices, ...), in worker order."""
+        return [self._info_by_slot[s] for s in self.actors.slots]
+
+    def _start_workers(self, slots: list[int], first: bool = False) -> None:
+        """Start workers for `slots`, build their replicas (check they match the
+        others) and compile their step. Blocks, at most `start_timeout_s`."""
+        handles = self.actors.start_workers(slots)
+        # Start-up is slow by nature (seconds to import TensorFlow): report stalls less often.
+        stall_s = max(self.actors.stall_warning_s, constants.START_STALL_WARNING_S)
+        infos = self.actors.wait([w.setup.remote() for w in handles], handles,
+                                 "starting (setup: import TensorFlow, build replicas)",
+                                 self.start_timeout_s, stall_s)
+        if first:
+            self._info_by_slot: dict[int, dict] = dict(zip(slots, infos))
+            self._check_signatures(infos)
+            shapes, dtypes = infos[0]["shapes"], infos[0]["dtypes"]
+            self._signature = infos[0]
+            self.plan: ShardPlan = (plan_shards(shapes, dtypes, self.grad_shard_bytes)
+                                    if self.strategy == "ps" else whole_plan(shapes, dtypes))
+            check_store(self.plan, self.num_workers)
+        else:
+            self._check_signatures([self._signature] + infos)
+            self._info_by_slot.update(zip(slots, infos))
+        self.actors.wait([w.configure.remote(self.plan, self.on_nonfinite != "ignore")
+                          for w in handles], handles, "compiling the step", self.start_timeout_s,
+                         stall_s)
+
+    def _check_signatures(self, infos: list[dict]) -> None:
+        first = infos[0]
+        for i, info in enumerate(infos[1:], start=1):
             if info["shapes"] != first["shapes"] or info["dtypes"] != first["dtypes"]:
                 k = next((k for k, (a, b) in enumerate(zip(info["shapes"], first["shapes"]))
                           if a != b or info["dtypes"][k] != first["dtypes"][k]),
@@ -112,19 +166,11 @@ class DistributedSGD:
                     f"worker {i}'s replicas have {len(info['shapes'])} variables, worker 0's have "
                     f"{len(first['shapes'])}; first difference at variable {k}: "
                     f"{_describe(info, k)} vs {_describe(first, k)}")
-        shapes, dtypes = first["shapes"], first["dtypes"]
-        if self.strategy == "ps":
-            self.plan: ShardPlan = plan_shards(shapes, dtypes, self.grad_shard_bytes)
-        else:
-            self.plan = whole_plan(shapes, dtypes)
-        self._wait([w.configure.remote(self.plan) for w in self.workers], self.workers,
-                   "compiling the step", timeout_s)
 
-    def _start_ps(self, num_ps: int | None, timeout_s: float) -> None:
-        import ray
-
+    def _start_ps(self, num_ps: int | None) -> None:
+        """Plan the shard -> PS assignment and start the PS actors (strategy "ps",
+        more than one worker)."""
         self.ps_assignment: list[int] = []
-        self.ps_info: list[dict] = []
         if self.strategy != "ps" or self.num_workers == 1:
             return
         num_shards = self.plan.num_shards
@@ -135,23 +181,31 @@ class DistributedSGD:
                            "will idle (lower grad_shard_bytes to make more shards)",
                            num_ps, num_shards, num_ps - num_shards)
         self.ps_assignment = assign_shards([s.nbytes for s in self.plan.shards], num_ps)
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        self.actors.ps = [None] * num_ps
+        self._ensure_ps()
 
-        ps_cls = ray.remote(ParameterServer)
-        for j in range(num_ps):
-            name = f"{constants.PS_NAME_PREFIX}{j}-{self._suffix}"
-            # PS j lives beside worker j (round-robin): every node that sends
-            # gradients also sums its share, as in BytePS. Hard affinity: a soft one
-            # was seen to fall back to another node even though a 0-CPU actor fits;
-            # start-up is bounded by start_timeout_s either way.
-            node_id = self.worker_info[j % self.num_workers]["node_id"]
-            handle = ps_cls.options(
-                name=name, num_cpus=constants.PS_NUM_CPUS,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(j)
-            self.ps_actors.append(handle)
-            self._names[id(handle)] = name
-        self.ps_info = self._wait([p.ready.remote() for p in self.ps_actors], self.ps_actors,
-                                  "starting", timeout_s)
+    def _ensure_ps(self) -> None:
+        """Start every PS actor that is missing (never started, or dead). PS j
+        lives beside worker j (round-robin): every node that sends gradients also
+        sums its share, as in BytePS."""
+        if self.strategy != "ps" or self.num_workers == 1:
+            return
+        if not self.ps_assignment:
+            self._start_ps(self._num_ps)
+            return
+        missing = [j for j, p in enumerate(self.actors.ps) if p is None]
+        if not missing:
+            return
+        info = self.worker_info
+        handles = self.actors.start_ps(missing, [info[j % len(info)]["node_id"] for j in missing])
+        self.actors.wait([p.ready.remote() for p in handles], handles, "starting",
+                         self.start_timeout_s)
+
+    @property
+    def ps_info(self) -> list[dict]:
+        """Node of each PS actor, in PS order. Blocks for one call per PS."""
+        return self._wait([p.ready.remote() for p in self.ps_actors], self.ps_actors, "ps_info",
+                          self.step_timeout_s)
 
     def _broadcast_state(self) -> None:
         import ray
@@ -163,91 +217,187 @@ class DistributedSGD:
                    [self.workers[0].set_state.remote(ref)], self.workers[1:] + self.workers[:1],
                    "broadcasting worker 0's weights", self.step_timeout_s)
 
+    # -- steps ------------------------------------------------------------------
     def step(self, fetch_stats: bool = False) -> dict | None:
         """Run one synchronous step on every replica. Blocks until every replica
-        has applied the step's mean gradient, at most `step_timeout_s`.
+        has applied the step's mean gradient; each wait at most `step_timeout_s`.
+
+        If a worker or PS actor dies, it is replaced (see `max_failures`,
+        `elastic`) and the step retried, or not if it had been applied.
 
         Returns None, or with `fetch_stats=True` a dict: `loss` (mean over all
         replicas of their losses before the update), and timings in seconds:
         `compute_s` (slowest worker's gradient computation, local allreduce and
         packing), `apply_s` (slowest worker's optimizer update), `exchange_s`
         (the rest of `step_s`: moving shards and averaging them) and `step_s`
-        (driver wall time).
+        (driver wall time, recovery included); `step` (steps applied so far),
+        `skipped` (this step was skipped: non-finite gradient), `skipped_steps`,
+        `num_workers` and `failures` (failures recovered so far).
         """
         start = time.perf_counter()
-        if self.num_workers == 1:
-            infos = self._wait([self.workers[0].local_step.remote()], self.workers,
-                               f"step {self.steps_done + 1}", self.step_timeout_s)
-            applied = [{"apply_s": 0.0}]
+        if self.elastic:
+            self._maybe_grow()
+        while True:
+            try:
+                infos, applied = self._step_once()
+                break
+            except actor_died_errors() as e:
+                if self._recover(e):  # the step had been applied before the failure
+                    infos, applied = None, [{"apply_s": 0.0}]
+                    break
+        skipped = infos is not None and not all(f for info in infos for f in info["finite"])
+        if skipped:
+            self.skipped_steps += 1
         else:
-            infos, applied = self._exchange_step(start)
-        self.steps_done += 1
+            self.steps_done += 1
         if not fetch_stats:
             return None
         step_s = time.perf_counter() - start
-        losses = [x for info in infos for x in info["losses"]]
-        compute_s = max(info["compute_s"] for info in infos)
+        losses = [x for info in infos for x in info["losses"]] if infos else [float("nan")]
+        compute_s = max(info["compute_s"] for info in infos) if infos else 0.0
         apply_s = max(a["apply_s"] for a in applied)
         return {"loss": float(np.mean(losses)), "compute_s": compute_s,
                 "exchange_s": max(0.0, step_s - compute_s - apply_s), "apply_s": apply_s,
-                "step_s": step_s, "step": self.steps_done}
+                "step_s": step_s, "step": self.steps_done, "skipped": skipped,
+                "skipped_steps": self.skipped_steps, "num_workers": self.num_workers,
+                "failures": len(self.failures)}
 
-    def _exchange_step(self, start: float):
+    def _step_once(self):
+        label = f"step {self.steps_done + 1}"
+        if self.num_workers == 1:
+            infos = self._wait([self.workers[0].local_step.remote()], self.workers, label,
+                               self.step_timeout_s)
+            self._check_finite(infos)
+            return infos, [{"apply_s": 0.0}]
+        return self._exchange_step(label)
+
+    def _exchange_step(self, label: str):
         """Workers stream their shards; PS j is called for shard j as soon as every
         worker has written it, so summing overlaps with writing the next shard."""
         import ray
 
-        label = f"step {self.steps_done + 1}"
-        streams = [w.compute.options(num_returns="streaming").remote() for w in self.workers]
-        info_refs = [self._next(stream, w, f"{label}: computing gradients", start)
-                     for stream, w in zip(streams, self.workers)]
-        infos = self._wait(info_refs, self.workers, f"{label}: computing gradients",
+        start = time.perf_counter()
+        workers = list(self.workers)
+        streams = [w.compute.options(num_returns="streaming").remote() for w in workers]
+        info_refs = self.actors.next_all(streams, workers, f"{label}: computing gradients",
+                                         self._time_left(start))
+        infos = self._wait(info_refs, workers, f"{label}: computing gradients",
                            self._time_left(start))
+        if not self._check_finite(infos):
+            return infos, [{"apply_s": 0.0}]  # skipped: the streams' shards are dropped
         mean_refs = []
         for j, shard in enumerate(self.plan.shards):
-            refs = [self._next(stream, w, f"{label}: writing shard {j}", start)
-                    for stream, w in zip(streams, self.workers)]
+            refs = self.actors.next_all(streams, workers, f"{label}: writing shard {j}",
+                                        self._time_left(start))
             if self.strategy == "ps":
-                mean_refs.append(self.ps_actors[self.ps_assignment[j]].mean.remote(shard, *refs))
+                mean_refs.append(self.actors.ps[self.ps_assignment[j]].mean.remote(shard, *refs))
             else:
-                pieces = self._wait(refs, self.workers, f"{label}: gathering shard {j}",
+                pieces = self._wait(refs, workers, f"{label}: gathering shard {j}",
                                     self._time_left(start))
                 mean_refs.append(ray.put(mean_shard(shard, pieces)))
-        applied = self._wait([w.apply.remote(*mean_refs) for w in self.workers], self.workers,
-                             label, self._time_left(start))
+        applied = self._wait([w.apply.remote(*mean_refs) for w in workers], workers,
+                             f"{label}: applying", self._time_left(start))
         return infos, applied
 
-    def _next(self, stream, owner, what: str, start: float):
-        """The next ObjectRef of a worker's shard stream, waiting at most until
-        the step's deadline."""
-        import ray
-
-        timeout_s = self._time_left(start)
-        ready, _ = ray.wait([stream], timeout=timeout_s)
-        if not ready:
-            raise StepTimeoutError(f"{what}: no answer after {timeout_s:.1f} s from "
-                                   f"{self._names.get(id(owner), '?')}")
-        try:
-            return next(stream)
-        except StopIteration:
-            raise DsgdError(f"{what}: {self._names.get(id(owner), '?')} ended its shard "
-                            "stream early") from None
+    def _check_finite(self, infos: list[dict]) -> bool:
+        """True if every replica's gradient was finite. Otherwise raise
+        NonFiniteError (on_nonfinite="raise") or return False ("skip")."""
+        bad = [(slot, r) for slot, info in zip(self.actors.slots, infos)
+               for r, ok in enumerate(info["finite"]) if not ok]
+        if not bad:
+            return True
+        if self.on_nonfinite == "skip":
+            logger.warning("step %d skipped: non-finite gradient on %s", self.steps_done + 1,
+                           ", ".join(f"worker {w} replica {r}" for w, r in bad))
+            return False
+        slot, r = bad[0]
+        raise NonFiniteError(
+            f"step {self.steps_done + 1}: non-finite gradient (NaN or Inf) on worker {slot}, "
+            f"replica {r} (global replica {slot * self.devices_per_worker + r})"
+            + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+            + "; no weights were changed. Pass on_nonfinite='skip' to skip such steps.")
 
     def _time_left(self, start: float) -> float:
         return max(0.001, self.step_timeout_s - (time.perf_counter() - start))
 
     def _wait(self, refs: list, owners: list, what: str, timeout_s: float) -> list:
-        """ray.get with a deadline; a timeout names the actors that did not answer."""
-        import ray
+        return self.actors.wait(refs, owners, what, timeout_s)
 
-        ready, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        if pending:
-            late = sorted({self._names.get(id(owners[refs.index(r)]), "?") for r in pending})
-            raise StepTimeoutError(
-                f"{what}: no answer after {timeout_s:.1f} s from {', '.join(late)}. "
-                f"Cluster resources available now: {ray.available_resources()}")
-        return ray.get(refs, timeout=timeout_s)
+    # -- failures ---------------------------------------------------------------
+    def _recover(self, error: BaseException) -> bool:
+        """Carry out what failures.decide says after `error`. Returns True if the
+        interrupted step had been applied (do not retry it). Raises if the policy
+        says the error is not recoverable."""
+        start = time.perf_counter()
+        probed, dead_ps = self.actors.probe(self.step_timeout_s)
+        workers = [failures.WorkerStatus(slot, info is not None,
+                                         None if info is None else info["applied_steps"])
+                   for slot, info in probed.items()]
+        dead = [w.slot for w in workers if not w.alive]
+        for slot in dead:  # frees its resources for the replacement
+            self.actors.remove_worker(slot)
+            self._info_by_slot.pop(slot, None)
+        for j in dead_ps:
+            self.actors.ps[j] = None
+        placeable = placeable_workers(self.actors.worker_options, len(dead)) if dead else 0
+        action = failures.decide(failures.Status(
+            workers, dead_ps, self.steps_done, len(self.failures) + 1, self.max_failures,
+            self.elastic, placeable, self._last_checkpoint is not None))
+        if not action.recover:
+            if not dead and not dead_ps:
+                raise error
+            raise DsgdError(f"step {self.steps_done + 1}: {action.reason}") from error
+        logger.warning("step %d: %s (%s: %s)", self.steps_done + 1, action.reason,
+                       type(error).__name__, _first_line(error))
+        self.actors.next_generation()
+        if action.replace_workers:
+            self._start_workers(action.replace_workers)
+        self.num_workers = len(self.workers)
+        self._ensure_ps()
+        if action.state_source is not None:
+            self._copy_state(action.state_source, action.replace_workers + action.sync_workers)
+        else:
+            self.restore_checkpoint(self._last_checkpoint)
+        if action.drop_workers:
+            logger.warning("elastic: continuing with %d worker(s); global batch is now %d "
+                           "replica batches", self.num_workers, self.num_workers * self.devices_per_worker)
+        self.failures.append({"step": self.steps_done + 1, "error": type(error).__name__,
+                              "reason": action.reason, "recovery_s": time.perf_counter() - start})
+        logger.warning("recovered in %.1f s", self.failures[-1]["recovery_s"])
+        return action.step_completed
 
+    def _copy_state(self, source_slot: int, targets: list[int]) -> None:
+        """Copy worker `source_slot`'s full state (weights, optimizer state, step
+        count) to workers `targets` through the object store."""
+        if not targets:
+            return
+        source = self.actors.worker(source_slot)
+        ref = source.get_full_state.remote()
+        handles = [self.actors.worker(s) for s in targets]
+        self._wait([h.set_full_state.remote(ref) for h in handles], handles,
+                   f"copying worker {source_slot}'s state", self.step_timeout_s)
+
+    def _maybe_grow(self) -> None:
+        """elastic: start workers for missing slots when resources are back
+        (checked at most every GROW_CHECK_INTERVAL_S)."""
+        if self.num_workers >= self.target_workers or time.monotonic() < self._next_grow_check:
+            return
+        self._next_grow_check = time.monotonic() + constants.GROW_CHECK_INTERVAL_S
+        missing = [s for s in range(self.target_workers) if s not in self.actors.slots]
+        room = placeable_workers(self.actors.worker_options, len(missing))
+        if not room:
+            return
+        slots = missing[:room]
+        self.actors.next_generation()
+        self._start_workers(slots)
+        self.num_workers = len(self.workers)
+        self._ensure_ps()
+        self._copy_state(next(s for s in self.actors.slots if s not in slots), slots)
+        logger.warning("elastic: added worker(s) %s; %d worker(s), global batch %d replica batches",
+                       ", ".join(map(str, slots)), self.num_workers,
+                       self.num_workers * self.devices_per_worker)
+
+    # -- the rest of the API ------------------------------------------------------
     def foreach_worker(self, fn: Callable[[Worker], Any]) -> list:
         """fn(worker) on every worker actor, in worker order. Blocks."""
         return self._call_all("foreach_worker", fn)
@@ -275,48 +425,56 @@ class DistributedSGD:
                    "set_weights", self.step_timeout_s)
 
     def save_checkpoint(self, path: str) -> str:
-        """Write weights, optimizer state and step count under path prefix `path`
-        (files `path.index`, `path.data-*`, `path.dsgd.json`). Returns `path`."""
+        """Write weights, optimizer state, step count and configuration as the
+        checkpoint `path` (files `path.dsgd.json` and `path.step<N>-<id>.*`),
+        atomically: a crash mid-save leaves the previous checkpoint loadable.
+        Blocks until the files are fsynced. Returns `path`."""
         files = self._wait([self.workers[0].save_checkpoint.remote(self.steps_done)],
                            self.workers[:1], "save_checkpoint", self.step_timeout_s)[0]
         meta = {"step": self.steps_done, "num_workers": self.num_workers,
                 "devices_per_worker": self.devices_per_worker, "strategy": self.strategy,
                 "grad_shard_bytes": self.grad_shard_bytes, "all_reduce_alg": self.all_reduce_alg,
+                "on_nonfinite": self.on_nonfinite, "skipped_steps": self.skipped_steps,
                 "variables": {"shapes": [list(s) for s in self.plan.shapes],
                               "dtypes": list(self.plan.dtypes)}}
-        return checkpoint.write(path, files, meta)
+        checkpoint.write(path, files, meta)
+        self._last_checkpoint = path
+        return path
 
     def restore_checkpoint(self, path: str) -> None:
         """Load a checkpoint written by `save_checkpoint` into every replica (any
-        number of workers). A checkpoint that does not fit the model raises
-        ModelMismatchError before any replica changes."""
+        number of workers). A truncated or corrupt checkpoint raises
+        CheckpointError, one that does not fit the model ModelMismatchError,
+        both before any replica changes."""
         import ray
 
         files, _ = checkpoint.read(path)
         ref = ray.put(files)
         steps = self._call_all("restore_checkpoint", ref)
         self.steps_done = int(steps[0])
+        self._last_checkpoint = path
 
     def _call_all(self, method: str, *args) -> list:
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
-        return self._wait(refs, self.workers, method, self.step_timeout_s)
+        workers = list(self.workers)
+        refs = [getattr(w, method).remote(*args) for w in workers]
+        return self._wait(refs, workers, method, self.step_timeout_s)
 
     def shutdown(self) -> None:
         """Kill every actor. Idempotent."""
-        import ray
-
-        for handle in self.workers + self.ps_actors:
-            try:
-                ray.kill(handle)
-            except Exception:  # already dead
-                pass
-        self.workers, self.ps_actors = [], []
+        if hasattr(self, "actors"):
+            self.actors.shutdown()
 
     def __enter__(self) -> "DistributedSGD":
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of an error's message, without the terminal colours Ray adds."""
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip().splitlines()
+    return lines[0][:200] if lines else ""
 
 
 def _describe(info: dict, k: int) -> str:

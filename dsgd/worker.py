@@ -3,6 +3,9 @@
 The driver wraps `Worker` with `ray.remote`; it only executes what the driver
 asks. Call order: `setup()` once, `configure(plan)` once, then per step either
 `local_step()` (one worker: no exchange) or `compute()` then `apply(*mean_shards)`.
+
+`applied_steps` counts the steps this worker has applied; the driver reads it
+(`ping`) after a failure to tell whether the interrupted step was applied.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ class Worker:
     def __init__(self, model_creator: Callable[[int, int], Model], worker_index: int,
                  devices_per_worker: int, gpu: bool, all_reduce_alg: str):
         self.worker_index = worker_index
+        self.applied_steps = 0
         self.replicas = Replicas(model_creator, worker_index, devices_per_worker, gpu,
                                  all_reduce_alg)
 
@@ -34,14 +38,26 @@ class Worker:
         info["node_id"] = ray.get_runtime_context().get_node_id()
         return info
 
-    def configure(self, plan: ShardPlan) -> None:
-        self.replicas.configure(plan)
+    def configure(self, plan: ShardPlan, check_finite: bool = True) -> None:
+        self.replicas.configure(plan, check_finite)
+
+    def ping(self) -> dict:
+        """Liveness and progress; runs after every call queued before it."""
+        import os
+
+        return {"applied_steps": self.applied_steps, "pid": os.getpid()}
 
     def local_step(self) -> dict:
-        """A whole step with no exchange (num_workers == 1). Blocks until applied."""
+        """A whole step with no exchange (num_workers == 1). Blocks until applied;
+        a step with a non-finite gradient is not applied (`finite` says which
+        replicas had one)."""
         start = time.perf_counter()
-        losses = self.replicas.local_step()
-        return {"losses": losses.numpy().tolist(), "compute_s": time.perf_counter() - start}
+        losses, finite = self.replicas.local_step()
+        finite = finite.numpy().tolist()
+        if all(finite):
+            self.applied_steps += 1
+        return {"losses": losses.numpy().tolist(), "finite": finite,
+                "compute_s": time.perf_counter() - start}
 
     def compute(self):
         """This step's gradients, averaged across local replicas, streamed shard
@@ -50,9 +66,10 @@ class Worker:
         becomes its own object, in the store as soon as it is written, so a PS
         can sum shard j while shard j+1 is being written."""
         start = time.perf_counter()
-        losses, flat_grads = self.replicas.compute()
+        losses, finite, flat_grads = self.replicas.compute()
         pieces = self.replicas.shard_pieces(flat_grads)
-        yield {"losses": losses.numpy().tolist(), "compute_s": time.perf_counter() - start}
+        yield {"losses": losses.numpy().tolist(), "finite": finite.numpy().tolist(),
+               "compute_s": time.perf_counter() - start}
         for shard in pieces:  # (Ray's generator wrapper cannot `yield from` a list)
             yield shard
 
@@ -61,6 +78,7 @@ class Worker:
         arrays (read-only object-store views) are read during the call, not kept."""
         start = time.perf_counter()
         self.replicas.apply(mean_shards)
+        self.applied_steps += 1
         return {"apply_s": time.perf_counter() - start}
 
     def get_state(self) -> list[np.ndarray]:
@@ -72,6 +90,23 @@ class Worker:
         for replica in self.replicas.replicas:
             for variable, value in zip(checkpoint.state_variables(replica), state, strict=True):
                 variable.assign(value)
+
+    def get_full_state(self) -> dict:
+        """Everything a replacement worker needs to continue exactly: replica 0's
+        model state, its optimizer's variables (iteration count, slots) and
+        `applied_steps`. Returned through the object store."""
+        optimizer = self.replicas.optimizers[0]
+        return {"model": self.get_state(),
+                "optimizer": [np.array(v.numpy()) for v in optimizer.variables],
+                "applied_steps": self.applied_steps}
+
+    def set_full_state(self, state: dict) -> None:
+        """Load a `get_full_state()` into every replica (read, not kept)."""
+        self.set_state(state["model"])
+        for optimizer in self.replicas.optimizers:
+            for variable, value in zip(optimizer.variables, state["optimizer"], strict=True):
+                variable.assign(value)
+        self.applied_steps = int(state["applied_steps"])
 
     def get_weights(self) -> list[np.ndarray]:
         return self.replicas.replicas[0].get_weights()
@@ -92,4 +127,6 @@ class Worker:
 
     def restore_checkpoint(self, files: dict[str, bytes]) -> int:
         """Restore every replica from checkpoint files; returns the saved step."""
-        return checkpoint.restore_files(self.replicas.replicas, self.replicas.optimizers, files)
+        step = checkpoint.restore_files(self.replicas.replicas, self.replicas.optimizers, files)
+        self.applied_steps = step
+        return step

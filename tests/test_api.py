@@ -1,5 +1,6 @@
 """The public API on a real local Ray cluster: names, accessors, checkpoints, errors."""
 
+import logging
 import time
 
 import numpy as np
@@ -58,7 +59,9 @@ def test_foreach_and_for_model(sgd2x2):
 def test_step_return_values(sgd2x2):
     assert sgd2x2.step() is None
     stats = sgd2x2.step(fetch_stats=True)
-    assert set(stats) == {"loss", "compute_s", "exchange_s", "apply_s", "step_s", "step"}
+    assert set(stats) == {"loss", "compute_s", "exchange_s", "apply_s", "step_s", "step", "skipped",
+                          "skipped_steps", "num_workers", "failures"}
+    assert stats["skipped"] is False and stats["failures"] == 0 and stats["num_workers"] == 2
     assert np.isfinite(stats["loss"])
     assert 0 <= stats["compute_s"] <= stats["step_s"] and 0 <= stats["apply_s"] <= stats["step_s"]
     assert stats["step"] == sgd2x2.steps_done
@@ -96,7 +99,7 @@ def test_checkpoint_round_trip_to_other_worker_count(sgd2x2, tmp_path):
     import tensorflow as tf
 
     plain = tiny.make_keras_model(seed=123)
-    tf.train.Checkpoint(weights=plain.weights).read(path).expect_partial()
+    tf.train.Checkpoint(weights=plain.weights).read(dsgd.checkpoint.tf_prefix(path)).expect_partial()
     for a, b in zip(plain.get_weights(), saved_weights):
         np.testing.assert_array_equal(a, b)
 
@@ -161,17 +164,24 @@ def test_get_loss_error_surfaces_with_its_traceback():
         assert "in get_loss" in str(info.value) and "test_api.py" in str(info.value)
 
 
-def test_stuck_step_times_out_naming_the_worker():
+def test_stuck_step_times_out_naming_the_worker(caplog):
     class Slow(tiny.TinyModel):
         def get_batch(self):
             if self.replica == 1 and self.steps >= 1:
                 time.sleep(60)
             return super().get_batch()
 
+    caplog.set_level(logging.WARNING, logger="dsgd")
     with dsgd.DistributedSGD(lambda w, d: Slow(w, d, 1, 4), 2, 1, gpu=False,
-                             step_timeout_s=3) as sgd:
+                             step_timeout_s=3, stall_warning_s=1) as sgd:
         sgd.step()
         start = time.monotonic()
         with pytest.raises(dsgd.StepTimeoutError, match=r"step 2.*dsgd-worker-1-"):
             sgd.step()
-        assert time.monotonic() - start < 10
+        assert time.monotonic() - start < 3 + 2
+    # The stall report came first, naming the worker, while the step was still waiting.
+    stalls = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stall:")]
+    assert not [m for m in stalls if "starting" in m]  # start-up reports only after 30 s
+    step2 = [m for m in stalls if "step 2" in m]
+    assert step2 and "step 2: computing gradients: dsgd-worker-1-" in step2[0]
+    assert "has not answered after 1 s (1 answered)" in step2[0] and "worker-0" not in step2[0]

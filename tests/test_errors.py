@@ -1,5 +1,6 @@
 """Bad arguments and bad models: clear errors, raised early, naming the culprit."""
 
+import numpy as np
 import pytest
 import ray
 
@@ -22,6 +23,10 @@ GOOD = dict(model_creator=tiny.creator(1, 4), num_workers=1, devices_per_worker=
     ({"all_reduce_alg": "nccl"}, ValueError, "all_reduce_alg='nccl' needs GPU devices"),
     ({"gpu": "yes"}, TypeError, "gpu must be True or False"),
     ({"step_timeout_s": 0}, ValueError, "step_timeout_s must be a positive number"),
+    ({"stall_warning_s": -1}, ValueError, "stall_warning_s must be a positive number"),
+    ({"on_nonfinite": "warn"}, ValueError, r"on_nonfinite must be one of \['raise', 'skip', 'ignore'\]"),
+    ({"max_failures": -1}, ValueError, "max_failures must be an int >= 0, got -1"),
+    ({"elastic": 1}, TypeError, "elastic must be True or False"),
 ])
 def test_bad_arguments_fail_before_ray_starts(change, error, message):
     was_running = ray.is_initialized()
@@ -80,6 +85,83 @@ class TestOnCluster:
 
         with pytest.raises(dsgd.ModelMismatchError, match="shares variable 0"):
             dsgd.DistributedSGD(creator, 1, 2, gpu=False)
+
+
+class NanAt(tiny.TinyModel):
+    """Replica 1's batch at its `nan_step`-th batch (0-based) holds a NaN."""
+
+    def __init__(self, worker_index, device_index, devices_per_worker, nan_step):
+        super().__init__(worker_index, device_index, devices_per_worker, 4)
+        self.nan_step = nan_step
+
+    def get_batch(self):
+        step = self.steps
+        x, y = super().get_batch()
+        if self.replica == 1 and step == self.nan_step:
+            x = x.copy()
+            x[0, 0] = np.nan
+        return x, y
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("workers,devices", [(2, 1), (1, 2)])  # exchange path, local path
+def test_nonfinite_gradient_raises_naming_step_worker_and_replica(workers, devices):
+    with dsgd.DistributedSGD(lambda w, d: NanAt(w, d, devices, 1), workers, devices, gpu=False,
+                             grad_shard_bytes=128) as sgd:
+        sgd.step()
+        before = sgd.foreach_model(lambda m: m.get_weights())
+        where = "worker 1, replica 0" if workers == 2 else "worker 0, replica 1"
+        with pytest.raises(dsgd.NonFiniteError, match=f"step 2: non-finite gradient .* on {where} "
+                                                      r"\(global replica 1\); no weights were changed"):
+            sgd.step()
+        for a, b in zip(sgd.foreach_model(lambda m: m.get_weights()), before):
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x, y)
+        assert sgd.steps_done == 1
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("workers,devices", [(2, 1), (1, 2)])
+def test_nonfinite_gradient_skipped(workers, devices):
+    with dsgd.DistributedSGD(lambda w, d: NanAt(w, d, devices, 1), workers, devices, gpu=False,
+                             grad_shard_bytes=128, on_nonfinite="skip") as sgd:
+        sgd.step()
+        before = sgd.get_weights()
+        stats = sgd.step(fetch_stats=True)
+        assert stats["skipped"] and stats["skipped_steps"] == 1 and stats["step"] == 1
+        for x, y in zip(sgd.get_weights(), before):
+            np.testing.assert_array_equal(x, y)
+        stats = sgd.step(fetch_stats=True)  # the next batches are finite again
+        assert not stats["skipped"] and stats["step"] == 2 and np.isfinite(stats["loss"])
+        assert all(np.isfinite(w).all() for w in sgd.get_weights())
+
+
+class HugeModel(dsgd.Model):
+    """128 MiB of gradients: 2 workers need 3 x 128 MiB of store per step."""
+
+    def __init__(self, worker_index, device_index):
+        import keras
+
+        self.model = keras.Sequential([keras.Input((8192,)), keras.layers.Dense(4096, use_bias=False)])
+        self.optimizer = keras.optimizers.SGD(0.1)
+
+    def get_loss(self, batch):
+        import tensorflow as tf
+
+        return tf.reduce_mean(self.model(tf.ones((1, 8192))))
+
+    def get_optimizer(self):
+        return self.optimizer
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_object_store_too_small_is_named_before_any_step():
+    with pytest.raises(dsgd.ResourceError, match=r"object store is too small: one step with 2 "
+                       r"workers holds 3 x 134.2 MB.*object_store_memory is 268.4 MB"):
+        dsgd.DistributedSGD(HugeModel, 2, 1, gpu=False, grad_shard_bytes=50_000_000)
 
 
 class WideReplica(tiny.TinyModel):

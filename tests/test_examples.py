@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dsgd.examples import mnist
+from dsgd.examples import mnist, recovery
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 
@@ -26,3 +26,10 @@ def test_mnist_data_split_is_fixed_and_disjoint():
     assert x_train.shape == (4000, 28, 28, 1) and x_test.shape == (1000, 28, 28, 1)
     assert sorted(set(y_test.tolist())) == list(range(10))
     assert 0.0 <= x_train.min() and x_train.max() <= 1.0
+
+
+def test_recovery_example_matches_the_uninterrupted_run(capsys):
+    result = recovery.main(["--steps", "6", "--kill-worker-at", "2", "--kill-ps-at", "4"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert result["failures"] == 2 and result["max_weight_difference"] <= 1e-6
+    assert all(s > 0 for s in result["recovery_s"])

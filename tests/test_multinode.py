@@ -56,3 +56,36 @@ def test_exact_across_nodes(two_nodes, strategy, shard_bytes, tmp_path):
     for weights in replicas + restored:
         for a, b in zip(weights, final):
             np.testing.assert_array_equal(a, b)
+
+
+def test_node_lost_mid_training_is_recovered_exactly(two_nodes):
+    """A node with a worker and a PS actor is removed between steps: both are
+    replaced on a node that is left, and training ends with the weights of an
+    uninterrupted run."""
+    def creator(w, d):
+        return tiny.StepKeyedModel(w, d, 1, BATCH)
+
+    def run(lose_node_at=None):
+        with dsgd.DistributedSGD(creator, 2, 1, gpu=False, grad_shard_bytes=128, num_ps=2,
+                                 step_timeout_s=120) as sgd:
+            for i in range(4):
+                if i == lose_node_at:
+                    head = two_nodes.head_node.node_id
+                    victims = [n for n in two_nodes.list_all_nodes()
+                               if n.node_id != head and n.node_id in
+                               {info["node_id"] for info in sgd.worker_info}]
+                    two_nodes.remove_node(victims[0])
+                sgd.step()
+            return sgd.get_weights(), sgd.failures, sgd.foreach_model(lambda m: m.get_weights())
+
+    spare = two_nodes.add_node(num_cpus=1, object_store_memory=NODE_STORE_BYTES)
+    two_nodes.wait_for_nodes()
+    expected, _, _ = run()
+    got, failures, replicas = run(lose_node_at=2)
+    assert len(failures) == 1 and "died" in failures[0]["reason"], failures
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    for weights in replicas:
+        for a, b in zip(weights, got):
+            np.testing.assert_array_equal(a, b)
+    del spare

@@ -1,7 +1,11 @@
 """No object-store leaks: usage after 1,000 steps equals usage after 10."""
 
+import os
+import signal
+
 import numpy as np
 import pytest
+import ray
 
 import dsgd
 from dsgd import store
@@ -56,4 +60,20 @@ def test_store_usage_is_flat_over_1000_steps(strategy):
     # in batches, measured ~8 steps behind at 60 ms/step); a leak would hold ~990 steps' ...
     assert peak <= 20 * objects_per_step, (peak, objects_per_step)
     # ... and when nobody holds a reference, everything is freed, after 10 steps as after 1000.
+    assert after_1000 == after_10 == {"bytes_used": 0, "num_objects": 0}, (after_10, after_1000)
+
+
+def test_store_usage_is_flat_with_failures_in_between():
+    with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy="ps", grad_shard_bytes=140_000,
+                             step_timeout_s=120) as sgd:
+        for _ in range(10):
+            sgd.step()
+        after_10 = store.drained_usage()
+        for i in range(990):
+            if i in (300, 600):  # a worker, then a PS actor, killed between steps
+                victim = sgd.workers[1] if i == 300 else sgd.ps_actors[0]
+                os.kill(ray.get(victim.ping.remote(), timeout=60)["pid"], signal.SIGKILL)
+            sgd.step()
+        after_1000 = store.drained_usage()
+        assert sgd.steps_done == 1000 and len(sgd.failures) == 2
     assert after_1000 == after_10 == {"bytes_used": 0, "num_objects": 0}, (after_10, after_1000)

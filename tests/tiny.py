@@ -95,3 +95,70 @@ def reference_run(initial_weights, num_replicas: int, batch_size: int, steps: in
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
     return model.get_weights(), losses
+
+
+class StepKeyedModel(TinyModel):
+    """Batches keyed by the optimizer's iteration count, which travels with the
+    optimizer state: a replacement worker continues the data stream exactly."""
+
+    def get_batch(self):
+        return make_batch(self.replica, int(self.optimizer.iterations.numpy()), self.batch_size)
+
+
+class KillAt(StepKeyedModel):
+    """Replica `kill_replica` SIGKILLs `target_pid_file`'s process (or its own
+    process if None) when it reads its batch for step `kill_step` (0-based),
+    once: `marker` records that it happened, so the replacement carries on."""
+
+    def __init__(self, worker_index, device_index, devices_per_worker, batch_size, kill_step,
+                 kill_replica, marker, target_pid_file=None):
+        super().__init__(worker_index, device_index, devices_per_worker, batch_size)
+        self.kill_step, self.kill_replica = kill_step, kill_replica
+        self.marker, self.target_pid_file = marker, target_pid_file
+
+    def get_batch(self):
+        import os
+        import signal
+
+        if (self.replica == self.kill_replica and not os.path.exists(self.marker)
+                and int(self.optimizer.iterations.numpy()) == self.kill_step):
+            with open(self.marker, "w") as f:
+                f.write("killed")
+            pid = os.getpid()
+            if self.target_pid_file:
+                with open(self.target_pid_file) as f:
+                    pid = int(f.read())
+            os.kill(pid, signal.SIGKILL)
+        return super().get_batch()
+
+
+class KillDuringApply(StepKeyedModel):
+    """Replica `kill_replica`'s optimizer SIGKILLs its own process inside the
+    compiled apply of step `kill_step` (0-based), once (`marker`)."""
+
+    def __init__(self, worker_index, device_index, devices_per_worker, batch_size, kill_step,
+                 kill_replica, marker):
+        super().__init__(worker_index, device_index, devices_per_worker, batch_size)
+        import keras
+        import tensorflow as tf
+
+        replica = self.replica
+
+        def maybe_kill(iteration):
+            import os
+            import signal
+
+            if replica == kill_replica and int(iteration) == kill_step and not os.path.exists(marker):
+                with open(marker, "w") as f:
+                    f.write("killed")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return iteration
+
+        class Killing(keras.optimizers.SGD):
+            def update_step(self, gradient, variable, learning_rate):
+                iteration = tf.py_function(maybe_kill, [self.iterations], self.iterations.dtype)
+                with tf.control_dependencies([iteration]):
+                    gradient = tf.identity(gradient)
+                super().update_step(gradient, variable, learning_rate)
+
+        self.optimizer = Killing(learning_rate=0.1, momentum=0.9)

@@ -1,0 +1,96 @@
+"""What to do when actors die: a small pure policy, no Ray here.
+
+The driver probes every actor after a step fails, describes what it found in a
+`Status`, and carries out the `Action` that `decide` returns. Keeping the
+decision pure makes every branch testable in-process (tests/test_failures.py).
+
+The invariant that makes recovery exact: a worker's `applied_steps` counts the
+steps it has applied. Steps are synchronous, so after a failure every surviving
+worker has applied either `steps_done` or `steps_done + 1` steps (the latter when
+the failure hit during the apply phase, after some workers had applied). The
+survivor furthest ahead holds the true state; everyone else is brought to it.
+If it is ahead, the interrupted step is complete and must not be retried;
+otherwise the step is retried from identical state, so no step is lost or
+applied twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    slot: int                      # worker index (its data shard); kept by a replacement
+    alive: bool
+    applied_steps: int | None = None  # None when dead
+
+
+@dataclass(frozen=True)
+class Status:
+    workers: list[WorkerStatus]
+    dead_ps: list[int]             # PS indices that died
+    steps_done: int                # steps the driver had completed before the failed one
+    failures: int                  # failures so far, this one included
+    max_failures: int
+    elastic: bool
+    placeable_workers: int         # new workers the cluster can place right now
+    has_checkpoint: bool           # a checkpoint to fall back on if no worker survives
+
+
+@dataclass(frozen=True)
+class Action:
+    recover: bool                  # False: raise `reason`
+    reason: str
+    replace_workers: list[int] = field(default_factory=list)  # slots to restart
+    drop_workers: list[int] = field(default_factory=list)     # slots to give up (elastic)
+    replace_ps: list[int] = field(default_factory=list)
+    state_source: int | None = None   # slot whose state everyone copies; None: checkpoint
+    sync_workers: list[int] = field(default_factory=list)     # survivors behind the source
+    step_completed: bool = False   # the interrupted step was applied: do not retry it
+
+
+def decide(status: Status) -> Action:
+    dead = [w.slot for w in status.workers if not w.alive]
+    survivors = [w for w in status.workers if w.alive]
+    if not dead and not status.dead_ps:
+        return Action(False, "no actor died, so the error is not one dsgd recovers from")
+    what = _describe(dead, status.dead_ps)
+    if status.failures > status.max_failures:
+        return Action(False, f"{what}: failure {status.failures} exceeds max_failures="
+                             f"{status.max_failures}")
+    replace = dead[:max(0, status.placeable_workers)]
+    drop = dead[len(replace):]
+    if drop and not status.elastic:
+        return Action(False, f"{what}: no free resources to replace worker(s) "
+                             f"{', '.join(map(str, drop))} (pass elastic=True to continue with "
+                             "fewer workers)")
+    if not survivors and not replace:
+        return Action(False, f"{what}: no worker left and none can be started")
+    if not survivors:
+        if not status.has_checkpoint:
+            return Action(False, f"{what}: every worker died and there is no checkpoint to "
+                                 "restore from (call save_checkpoint regularly)")
+        return Action(True, f"{what}; every worker died: restoring the last checkpoint",
+                      replace, drop, list(status.dead_ps), None, [], False)
+    source = max(survivors, key=lambda w: (w.applied_steps, -w.slot))
+    target = source.applied_steps
+    if target not in (status.steps_done, status.steps_done + 1) or any(
+            w.applied_steps not in (status.steps_done, status.steps_done + 1) for w in survivors):
+        steps = {w.slot: w.applied_steps for w in survivors}
+        return Action(False, f"{what}: surviving workers have applied {steps} steps, but the "
+                             f"driver completed {status.steps_done}; cannot tell which step to retry")
+    sync = [w.slot for w in survivors if w.applied_steps != target]
+    completed = target == status.steps_done + 1
+    reason = (f"{what}; {'the step had been applied: not retried' if completed else 'retrying the step'}"
+              + (f"; continuing without worker(s) {', '.join(map(str, drop))}" if drop else ""))
+    return Action(True, reason, replace, drop, list(status.dead_ps), source.slot, sync, completed)
+
+
+def _describe(dead_workers: list[int], dead_ps: list[int]) -> str:
+    parts = []
+    if dead_workers:
+        parts.append(f"worker(s) {', '.join(map(str, dead_workers))} died")
+    if dead_ps:
+        parts.append(f"PS actor(s) {', '.join(map(str, dead_ps))} died")
+    return " and ".join(parts)

@@ -1,0 +1,63 @@
+"""The failure policy (dsgd/failures.py), in-process: every branch of decide()."""
+
+from dsgd.failures import Status, WorkerStatus, decide
+
+
+def status(workers, dead_ps=(), steps_done=5, failures=1, max_failures=3, elastic=False,
+           placeable=8, checkpoint=False):
+    return Status([WorkerStatus(s, a, n) for s, a, n in workers], list(dead_ps), steps_done,
+                  failures, max_failures, elastic, placeable, checkpoint)
+
+
+def test_no_death_is_not_recovered():
+    action = decide(status([(0, True, 5), (1, True, 5)]))
+    assert not action.recover and "no actor died" in action.reason
+
+
+def test_dead_worker_before_apply_retries_from_a_survivor():
+    action = decide(status([(0, True, 5), (1, False, None), (2, True, 5)]))
+    assert action.recover and not action.step_completed
+    assert action.replace_workers == [1] and action.drop_workers == []
+    assert action.state_source == 0 and action.sync_workers == []
+    assert "retrying" in action.reason
+
+
+def test_death_during_apply_completes_the_step_without_retry():
+    # Worker 0 applied step 6 before worker 1 died; worker 2 had not applied yet.
+    action = decide(status([(0, True, 6), (1, False, None), (2, True, 5)]))
+    assert action.recover and action.step_completed
+    assert action.state_source == 0 and action.sync_workers == [2]
+    assert action.replace_workers == [1]
+
+
+def test_dead_ps_only_is_replaced_and_the_step_retried():
+    action = decide(status([(0, True, 5), (1, True, 5)], dead_ps=[1]))
+    assert action.recover and action.replace_ps == [1] and action.replace_workers == []
+    assert not action.step_completed
+
+
+def test_max_failures():
+    action = decide(status([(0, True, 5), (1, False, None)], failures=4, max_failures=3))
+    assert not action.recover and "max_failures=3" in action.reason
+
+
+def test_no_room_without_elastic_is_an_error_naming_the_option():
+    action = decide(status([(0, True, 5), (1, False, None)], placeable=0))
+    assert not action.recover and "elastic=True" in action.reason
+
+
+def test_no_room_with_elastic_shrinks():
+    action = decide(status([(0, True, 5), (1, False, None), (2, False, None)], placeable=1,
+                           elastic=True))
+    assert action.recover and action.replace_workers == [1] and action.drop_workers == [2]
+
+
+def test_every_worker_dead_needs_a_checkpoint():
+    assert "no checkpoint" in decide(status([(0, False, None)])).reason
+    action = decide(status([(0, False, None)], checkpoint=True))
+    assert action.recover and action.state_source is None and action.replace_workers == [0]
+
+
+def test_inconsistent_survivors_are_an_error():
+    action = decide(status([(0, True, 3), (1, False, None)]))
+    assert not action.recover and "cannot tell" in action.reason

@@ -1,0 +1,194 @@
+"""Failure recovery with real process kills (SIGKILL) on the local Ray cluster.
+
+The data stream is keyed by the optimizer's iteration count (tiny.StepKeyedModel),
+so a run that loses a worker or a PS actor and recovers must end with the same
+weights as an uninterrupted run: no step lost, none applied twice.
+"""
+
+import logging
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import ray
+
+import dsgd
+from dsgd import constants
+import tiny
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
+
+BATCH, STEPS = 4, 5
+
+
+def killing_creator(kill_step, kill_replica, marker, target_pid_file=None):
+    return lambda w, d: tiny.KillAt(w, d, 1, BATCH, kill_step, kill_replica, marker,
+                                    target_pid_file)
+
+
+def keyed_creator(w, d):
+    return tiny.StepKeyedModel(w, d, 1, BATCH)
+
+
+def make(creator, strategy="ps", **kwargs):
+    return dsgd.DistributedSGD(creator, 2, 1, gpu=False, strategy=strategy, grad_shard_bytes=128,
+                               num_ps=2, step_timeout_s=120, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    with make(keyed_creator) as sgd:
+        for _ in range(STEPS):
+            sgd.step()
+        return sgd.get_weights()
+
+
+def assert_same_weights(sgd, expected):
+    replicas = sgd.foreach_model(lambda m: m.get_weights())
+    for weights in replicas:
+        for got, want in zip(weights, expected):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    for a, b in zip(*replicas):
+        np.testing.assert_array_equal(a, b)
+
+
+def pid_of(handle):
+    return ray.get(handle.ping.remote(), timeout=60)["pid"]
+
+
+def test_worker_killed_between_steps(uninterrupted):
+    with make(keyed_creator) as sgd:
+        sgd.step()
+        sgd.step()
+        os.kill(pid_of(sgd.workers[1]), signal.SIGKILL)
+        stats = [sgd.step(fetch_stats=True) for _ in range(STEPS - 2)]
+        assert sgd.steps_done == STEPS and stats[-1]["failures"] == 1
+        assert sgd.failures[0]["recovery_s"] > 0 and "worker(s) 1 died" in sgd.failures[0]["reason"]
+        assert_same_weights(sgd, uninterrupted)
+
+
+@pytest.mark.parametrize("strategy", ["ps", "simple"])
+def test_worker_killed_during_a_step(uninterrupted, tmp_path, strategy):
+    marker = str(tmp_path / "killed")
+    with make(killing_creator(2, 1, marker), strategy) as sgd:
+        for _ in range(STEPS):
+            sgd.step()
+        assert os.path.exists(marker)  # worker 1 really died in step 3
+        assert len(sgd.failures) == 1 and "retrying" in sgd.failures[0]["reason"]
+        assert sgd.steps_done == STEPS
+        assert_same_weights(sgd, uninterrupted)
+
+
+def test_worker_killed_while_applying_is_not_applied_twice(uninterrupted, tmp_path):
+    """Worker 1 dies inside its optimizer update of step 3, after worker 0 has
+    applied it: the step counts as done (worker 0's state is copied), not retried."""
+    marker = str(tmp_path / "killed")
+    with make(lambda w, d: tiny.KillDuringApply(w, d, 1, BATCH, 2, 1, marker)) as sgd:
+        for _ in range(STEPS):
+            sgd.step()
+        assert os.path.exists(marker)
+        assert len(sgd.failures) == 1 and "not retried" in sgd.failures[0]["reason"]
+        assert sgd.steps_done == STEPS
+        assert_same_weights(sgd, uninterrupted)
+
+
+def test_ps_killed_between_steps(uninterrupted):
+    with make(keyed_creator) as sgd:
+        sgd.step()
+        os.kill(pid_of(sgd.ps_actors[1]), signal.SIGKILL)
+        for _ in range(STEPS - 1):
+            sgd.step()
+        assert len(sgd.failures) == 1 and "PS actor(s) 1 died" in sgd.failures[0]["reason"]
+        assert len(sgd.ps_actors) == 2
+        assert_same_weights(sgd, uninterrupted)
+
+
+def test_ps_killed_during_a_step(uninterrupted, tmp_path):
+    marker, pid_file = str(tmp_path / "killed"), str(tmp_path / "ps.pid")
+    # Worker 0 kills PS 0 while computing step 3's gradients.
+    with make(killing_creator(2, 0, marker, pid_file)) as sgd:
+        with open(pid_file, "w") as f:
+            f.write(str(pid_of(sgd.ps_actors[0])))
+        for _ in range(STEPS):
+            sgd.step()
+        assert os.path.exists(marker)
+        assert len(sgd.failures) == 1 and "PS actor(s) 0 died" in sgd.failures[0]["reason"]
+        assert_same_weights(sgd, uninterrupted)
+
+
+def test_beyond_max_failures_is_a_clear_error():
+    with make(keyed_creator, max_failures=0) as sgd:
+        sgd.step()
+        os.kill(pid_of(sgd.workers[0]), signal.SIGKILL)
+        with pytest.raises(dsgd.DsgdError, match=r"step 2: worker\(s\) 0 died.*max_failures=0"):
+            sgd.step()
+
+
+def test_every_worker_dead_restores_the_last_checkpoint(tmp_path):
+    with dsgd.DistributedSGD(keyed_creator, 1, 1, gpu=False) as sgd:
+        sgd.step()
+        os.kill(pid_of(sgd.workers[0]), signal.SIGKILL)
+        with pytest.raises(dsgd.DsgdError, match="every worker died and there is no checkpoint"):
+            sgd.step()
+    with dsgd.DistributedSGD(keyed_creator, 1, 1, gpu=False) as sgd:
+        sgd.step()
+        sgd.save_checkpoint(str(tmp_path / "ckpt"))
+        saved = sgd.get_weights()
+        sgd.step()
+        os.kill(pid_of(sgd.workers[0]), signal.SIGKILL)
+        stats = sgd.step(fetch_stats=True)  # restores step 1's checkpoint, then runs step 2 again
+        assert stats["step"] == 2 and stats["failures"] == 1
+        assert not all(np.array_equal(a, b) for a, b in zip(sgd.get_weights(), saved))
+
+
+class Blocker:
+    def ready(self):
+        return True
+
+
+def test_elastic_shrinks_when_no_room_and_grows_back(monkeypatch, caplog):
+    monkeypatch.setattr(constants, "GROW_CHECK_INTERVAL_S", 0.0)
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    free = ray.cluster_resources()["CPU"]
+    with make(keyed_creator, elastic=True) as sgd:
+        sgd.step()
+        os.kill(pid_of(sgd.workers[1]), signal.SIGKILL)
+        deadline = time.monotonic() + 60  # the dead worker's CPU returns to the pool
+        while ray.available_resources().get("CPU", 0) < free - 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        blocker = ray.remote(Blocker).options(num_cpus=ray.available_resources()["CPU"]).remote()
+        ray.get(blocker.ready.remote(), timeout=60)
+        try:
+            stats = sgd.step(fetch_stats=True)
+            assert stats["num_workers"] == 1 and stats["step"] == 2
+            assert "continuing with 1 worker(s)" in caplog.text
+            sgd.step()  # one worker, no exchange
+        finally:
+            ray.kill(blocker)
+        deadline = time.monotonic() + 60
+        while sgd.num_workers < 2 and time.monotonic() < deadline:
+            sgd.step()
+        assert sgd.num_workers == 2 and "elastic: added worker(s) 1" in caplog.text
+        sgd.step()
+        a, b = sgd.foreach_model(lambda m: m.get_weights())
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_no_room_without_elastic_names_the_option():
+    free = ray.cluster_resources()["CPU"]
+    with make(keyed_creator) as sgd:
+        sgd.step()
+        os.kill(pid_of(sgd.workers[1]), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while ray.available_resources().get("CPU", 0) < free - 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        blocker = ray.remote(Blocker).options(num_cpus=ray.available_resources()["CPU"]).remote()
+        ray.get(blocker.ready.remote(), timeout=60)
+        try:
+            with pytest.raises(dsgd.DsgdError, match="no free resources.*elastic=True"):
+                sgd.step()
+        finally:
+            ray.kill(blocker)
