@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 

@@ -84,21 +84,26 @@ class Replicas:
                 raise ModelMismatchError(f"{where} shares its optimizer with another replica: "
                                          "create the optimizer inside model_creator")
 
-    def configure(self, plan: ShardPlan, check_finite: bool = True) -> None:
-        """Compile the step functions for this shard plan. With `check_finite`,
-        every replica's gradient is checked for NaN/Inf (one extra read of it)."""
+    def configure(self, plan: ShardPlan, on_nonfinite: str = "raise") -> None:
+        """Compile the step functions for this shard plan. Unless `on_nonfinite`
+        is "ignore", every replica's gradient is checked for NaN/Inf (one extra
+        read of it). With "skip", `local_step` applies only finite steps; that
+        gate makes the update wait for every gradient (measured ~8-11 % of a
+        small CNN's step), so with "raise" the update runs unconditionally,
+        overlapping the backward pass, and the caller raises afterwards."""
         import tensorflow as tf
 
         self.plan = plan
-        self.check_finite = check_finite
+        self.check_finite = on_nonfinite != "ignore"
+        self.gate_apply = on_nonfinite == "skip"
         self._local_step_fn = tf.function(self._local_step_graph, reduce_retracing=True)
         self._compute_fn = tf.function(self._compute_graph, reduce_retracing=True)
         self._apply_fn = tf.function(self._apply_graph, reduce_retracing=True)
 
     def local_step(self):
-        """Next batches -> gradients -> local mean -> apply, in one compiled call;
-        nothing is applied if any replica's gradient is not finite.
-        Returns (losses: float32 [D], finite: bool [D])."""
+        """Next batches -> gradients -> local mean -> apply, in one compiled call
+        (with on_nonfinite="skip", nothing is applied if any replica's gradient
+        is not finite). Returns (losses: float32 [D], finite: bool [D])."""
         return self._local_step_fn(self.next_batches())
 
     def compute(self):
@@ -165,7 +170,7 @@ class Replicas:
         import tensorflow as tf
 
         losses, finite, means = self._replica_means(batches)
-        if self.check_finite:
+        if self.gate_apply:
             tf.cond(tf.reduce_all(finite), lambda: self._apply_and_true(means), lambda: False)
         else:
             self._apply_means(means)

@@ -52,8 +52,10 @@ class DistributedSGD:
             actors that have not answered every this many seconds (default:
             a quarter of `step_timeout_s`, at most 60 s).
         on_nonfinite: a gradient with NaN/Inf: "raise" `NonFiniteError` naming
-            the step, worker and replica; "skip" the step (weights unchanged,
-            counted in the stats); "ignore" (no check, no extra pass over the gradients).
+            the step, worker and replica (with several workers before any weight
+            changes; with one worker after its update, which the check does not
+            delay); "skip" the step (weights unchanged, counted in the stats);
+            "ignore" (no check, no extra pass over the gradients).
         max_failures: actor deaths survived over the object's life; one more
             raises `DsgdError`. A dead worker or PS actor is replaced and the
             interrupted step retried (see README "Fault tolerance").
@@ -151,7 +153,7 @@ class DistributedSGD:
         else:
             self._check_signatures([self._signature] + infos)
             self._info_by_slot.update(zip(slots, infos))
-        self.actors.wait([w.configure.remote(self.plan, self.on_nonfinite != "ignore")
+        self.actors.wait([w.configure.remote(self.plan, self.on_nonfinite)
                           for w in handles], handles, "compiling the step", self.start_timeout_s,
                          stall_s)
 
@@ -310,12 +312,20 @@ class DistributedSGD:
             logger.warning("step %d skipped: non-finite gradient on %s", self.steps_done + 1,
                            ", ".join(f"worker {w} replica {r}" for w, r in bad))
             return False
+        step = self.steps_done + 1
+        applied = any(info.get("applied") for info in infos)
+        if applied:  # one worker: the update ran alongside the check (see Replicas.configure)
+            self.steps_done += 1
+            outcome = ("the update was applied (with one worker the check runs alongside it): "
+                       "the weights now hold NaN/Inf; restore a checkpoint. Pass "
+                       "on_nonfinite='skip' to check before updating and skip such steps.")
+        else:
+            outcome = "no weights were changed. Pass on_nonfinite='skip' to skip such steps."
         slot, r = bad[0]
         raise NonFiniteError(
-            f"step {self.steps_done + 1}: non-finite gradient (NaN or Inf) on worker {slot}, "
-            f"replica {r} (global replica {slot * self.devices_per_worker + r})"
-            + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
-            + "; no weights were changed. Pass on_nonfinite='skip' to skip such steps.")
+            f"step {step}: non-finite gradient (NaN or Inf) on worker {slot}, replica {r} "
+            f"(global replica {slot * self.devices_per_worker + r})"
+            + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "; " + outcome)
 
     def _time_left(self, start: float) -> float:
         return max(0.001, self.step_timeout_s - (time.perf_counter() - start))

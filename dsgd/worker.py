@@ -38,8 +38,8 @@ class Worker:
         info["node_id"] = ray.get_runtime_context().get_node_id()
         return info
 
-    def configure(self, plan: ShardPlan, check_finite: bool = True) -> None:
-        self.replicas.configure(plan, check_finite)
+    def configure(self, plan: ShardPlan, on_nonfinite: str = "raise") -> None:
+        self.replicas.configure(plan, on_nonfinite)
 
     def ping(self) -> dict:
         """Liveness and progress; runs after every call queued before it."""
@@ -48,15 +48,15 @@ class Worker:
         return {"applied_steps": self.applied_steps, "pid": os.getpid()}
 
     def local_step(self) -> dict:
-        """A whole step with no exchange (num_workers == 1). Blocks until applied;
-        a step with a non-finite gradient is not applied (`finite` says which
-        replicas had one)."""
+        """A whole step with no exchange (num_workers == 1). Blocks until applied.
+        `finite` says which replicas' gradients were finite; `applied` whether
+        the update ran (not with a non-finite gradient and on_nonfinite="skip")."""
         start = time.perf_counter()
         losses, finite = self.replicas.local_step()
         finite = finite.numpy().tolist()
-        if all(finite):
-            self.applied_steps += 1
-        return {"losses": losses.numpy().tolist(), "finite": finite,
+        applied = all(finite) or not self.replicas.gate_apply
+        self.applied_steps += applied
+        return {"losses": losses.numpy().tolist(), "finite": finite, "applied": applied,
                 "compute_s": time.perf_counter() - start}
 
     def compute(self):
