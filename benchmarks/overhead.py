@@ -23,6 +23,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "peers"))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -30,6 +31,7 @@ import common  # noqa: E402
 
 import dsgd  # noqa: E402
 from dsgd.examples import mnist  # noqa: E402
+from step_time import plain_step  # noqa: E402
 
 
 class ResNet64(dsgd.Model):
@@ -51,25 +53,6 @@ CREATORS = {
     "resnet50_64": lambda w, d: ResNet64(w, d),
     "mnist_cnn": lambda w, d: mnist.MnistModel(w, 2, 32, 1e-3),
 }
-
-
-def plain_step(creator):
-    import tensorflow as tf
-
-    replica = creator(0, 0)
-    variables, optimizer = replica.get_variables(), replica.get_optimizer()
-
-    @tf.function
-    def step(batch):
-        with tf.GradientTape() as tape:
-            loss = replica.get_loss(batch)
-        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
-        return loss
-
-    def run():
-        batch = replica.get_batch()
-        step(None if batch is None else tf.nest.map_structure(tf.convert_to_tensor, batch)).numpy()
-    return run
 
 
 def timed(fn, n: int) -> list[float]:
@@ -96,7 +79,7 @@ def main(argv=None):
     rows = []
     for name in args.models:
         creator = CREATORS[name]
-        plain = plain_step(creator)
+        plain = plain_step(creator(0, 0))
         with dsgd.DistributedSGD(creator, 1, 1, gpu=False, num_cpus_per_worker=cpus) as sgd:
             timed(plain, 3)
             timed(sgd.step, 3)

@@ -58,11 +58,11 @@ def make(model_name: str, batch: int):
     return lambda w, d: mnist.MnistModel(w, 2, batch, 1e-3)
 
 
-def plain_step_s(model_name: str, batch: int, steps: int, warmup: int) -> list[float]:
-    """A plain compiled training step of one replica, in this process."""
+def plain_step(replica):
+    """A plain compiled training step of one replica, in this process: returns
+    a callable that runs one step (next batch included) and blocks until done."""
     import tensorflow as tf
 
-    replica = make(model_name, batch)(0, 0)
     variables, optimizer = replica.get_variables(), replica.get_optimizer()
 
     @tf.function
@@ -72,11 +72,19 @@ def plain_step_s(model_name: str, batch: int, steps: int, warmup: int) -> list[f
         optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
         return loss
 
+    def run():
+        batch = replica.get_batch()
+        step(None if batch is None else tf.nest.map_structure(tf.convert_to_tensor, batch)).numpy()
+    return run
+
+
+def plain_step_s(model_name: str, batch: int, steps: int, warmup: int) -> list[float]:
+    """Times of a plain compiled training step of one replica, in this process."""
+    run = plain_step(make(model_name, batch)(0, 0))
     times = []
     for i in range(warmup + steps):
         start = time.perf_counter()
-        b = tf.nest.map_structure(tf.convert_to_tensor, replica.get_batch())
-        step(b).numpy()
+        run()
         if i >= warmup:
             times.append(time.perf_counter() - start)
     return times

@@ -359,11 +359,7 @@ class DistributedSGD:
             raise DsgdError(f"step {self.steps_done + 1}: {action.reason}") from error
         logger.warning("step %d: %s (%s: %s)", self.steps_done + 1, action.reason,
                        type(error).__name__, _first_line(error))
-        self.actors.next_generation()
-        if action.replace_workers:
-            self._start_workers(action.replace_workers)
-        self.num_workers = len(self.workers)
-        self._ensure_ps()
+        self._add_workers(action.replace_workers)
         if action.state_source is not None:
             self._copy_state(action.state_source, action.replace_workers + action.sync_workers)
         else:
@@ -375,6 +371,15 @@ class DistributedSGD:
                               "reason": action.reason, "recovery_s": time.perf_counter() - start})
         logger.warning("recovered in %.1f s", self.failures[-1]["recovery_s"])
         return action.step_completed
+
+    def _add_workers(self, slots: list[int]) -> None:
+        """Start workers for `slots` (replacements, or growth back with elastic=True)
+        and any PS actor that is missing. Their state is copied by the caller."""
+        self.actors.next_generation()
+        if slots:
+            self._start_workers(slots)
+        self.num_workers = len(self.workers)
+        self._ensure_ps()
 
     def _copy_state(self, source_slot: int, targets: list[int]) -> None:
         """Copy worker `source_slot`'s full state (weights, optimizer state, step
@@ -398,10 +403,7 @@ class DistributedSGD:
         if not room:
             return
         slots = missing[:room]
-        self.actors.next_generation()
-        self._start_workers(slots)
-        self.num_workers = len(self.workers)
-        self._ensure_ps()
+        self._add_workers(slots)
         self._copy_state(next(s for s in self.actors.slots if s not in slots), slots)
         logger.warning("elastic: added worker(s) %s; %d worker(s), global batch %d replica batches",
                        ", ".join(map(str, slots)), self.num_workers,

@@ -99,6 +99,13 @@ def peer_args(description: str, argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def launch_or_work(description: str, launch, work, argv=None) -> None:
+    """main() of a multi-process peer: without --worker-index this process
+    launches the workers (`launch(args)`), with it it is one (`work(args)`)."""
+    args = peer_args(description, argv)
+    (launch if args.worker_index is None else work)(args)
+
+
 def free_ports(n: int) -> list[int]:
     """n distinct free TCP ports on localhost."""
     import socket

@@ -73,11 +73,7 @@ def work(args) -> None:
 
 
 def main(argv=None):
-    args = common.peer_args(__doc__, argv)
-    if args.worker_index is None:
-        launch(args)
-    else:
-        work(args)
+    common.launch_or_work(__doc__, launch, work, argv)
 
 
 if __name__ == "__main__":
