@@ -133,12 +133,17 @@ class DistributedSGD:
         """What each worker's setup reported (node_id, pid, devices, ...), in worker order."""
         return [self._info_by_slot[s] for s in self.actors.slots]
 
+    @property
+    def _start_stall_s(self) -> float:
+        """Stall-report interval while actors start: start-up is slow by nature
+        (seconds to import TensorFlow), so report less often than during steps."""
+        return max(self.actors.stall_warning_s, constants.START_STALL_WARNING_S)
+
     def _start_workers(self, slots: list[int], first: bool = False) -> None:
         """Start workers for `slots`, build their replicas (check they match the
         others) and compile their step. Blocks, at most `start_timeout_s`."""
         handles = self.actors.start_workers(slots)
-        # Start-up is slow by nature (seconds to import TensorFlow): report stalls less often.
-        stall_s = max(self.actors.stall_warning_s, constants.START_STALL_WARNING_S)
+        stall_s = self._start_stall_s
         infos = self.actors.wait([w.setup.remote() for w in handles], handles,
                                  "starting (setup: import TensorFlow, build replicas)",
                                  self.start_timeout_s, stall_s)
@@ -200,8 +205,8 @@ class DistributedSGD:
             return
         info = self.worker_info
         handles = self.actors.start_ps(missing, [info[j % len(info)]["node_id"] for j in missing])
-        self.actors.wait([p.ready.remote() for p in handles], handles, "starting",
-                         self.start_timeout_s)
+        self.actors.wait([p.ready.remote() for p in handles], handles, "starting PS actors",
+                         self.start_timeout_s, self._start_stall_s)
 
     @property
     def ps_info(self) -> list[dict]:
