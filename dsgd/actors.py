@@ -65,7 +65,8 @@ class ActorSet:
         handles = []
         for slot in slots:
             name = self._name(constants.WORKER_NAME_PREFIX, slot)
-            handle = self._worker_cls.options(name=name, **self.worker_options).remote(
+            handle = self._worker_cls.options(name=name, runtime_env=constants.ACTOR_RUNTIME_ENV,
+                                              **self.worker_options).remote(
                 model_creator, slot, devices, gpu, alg)
             self.names[id(handle)] = name
             handles.append(handle)
@@ -84,7 +85,7 @@ class ActorSet:
         for j, node_id in zip(indices, node_ids):
             name = self._name(constants.PS_NAME_PREFIX, j)
             handle = self._ps_cls.options(
-                name=name, num_cpus=constants.PS_NUM_CPUS,
+                name=name, num_cpus=constants.PS_NUM_CPUS, runtime_env=constants.ACTOR_RUNTIME_ENV,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(j)
             self.names[id(handle)] = name
             while len(self.ps) <= j:

@@ -61,6 +61,7 @@ def library():
     check_versions(built_tf_version(), tf.__version__)
     lib = tf.load_op_library(LIBRARY_PATH)
     tf.no_gradient("DsgdReadShards")  # reads raw memory: nothing to differentiate
+    tf.no_gradient("DsgdAllFinite")
     return lib
 
 
@@ -95,6 +96,18 @@ def read_shards(addresses, byte_sizes, plan) -> list:
         for v, tensor in zip(var_ids, results):
             outputs[v] = tensor
     return outputs
+
+
+def all_finite(tensors: list):
+    """Scalar bool tensor: no element of any of `tensors` (CPU tensors of half,
+    bfloat16, float32 or float64) is Inf or NaN. One single-threaded read of
+    each tensor, nothing else written (TensorFlow's `reduce_all(is_finite(t))`
+    writes and re-reads a bool tensor of every size). Usable inside
+    `tf.function`; one op per tensor lets the executor run the checks in
+    parallel, each as soon as its tensor exists."""
+    if not tensors:
+        raise ValueError("all_finite: `tensors` is empty; pass at least one floating tensor")
+    return library().dsgd_all_finite(tensors)
 
 
 class _DLPackCapsule:

@@ -115,3 +115,39 @@ def test_copy_and_cast_errors():
         _core.split(np.ones(2, np.float32), [np.empty(1, np.float32)])
     with pytest.raises(ValueError, match="expected 4-byte input"):
         _core.cast_f32_to_f16(np.ones(2, np.float64), np.empty(2, np.float16))
+
+
+FINITE_FORMATS = {"float16": "f16", "float32": "f32", "float64": "f64"}
+
+
+@pytest.mark.parametrize("dtype", sorted(FINITE_FORMATS))
+@pytest.mark.parametrize("size", [1, 7, 16_384, 16_385, 100_003])
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_all_finite_matches_numpy(dtype, size, bad, where):
+    rng = np.random.default_rng(size)
+    x = rng.normal(size=size).astype(dtype)
+    info = np.finfo(dtype)  # extremes and subnormals are finite
+    x[rng.integers(0, size, size=min(size, 3))] = [info.max, -info.max, info.smallest_subnormal][:min(size, 3)]
+    if bad is not None:
+        x[{"first": 0, "middle": size // 2, "last": size - 1}[where]] = bad
+    x.flags.writeable = False
+    assert _core.all_finite(x, FINITE_FORMATS[dtype]) == bool(np.isfinite(x).all())
+
+
+def test_all_finite_bfloat16_bits():
+    # bfloat16 is the high half of a float32: exponent mask 0x7f80.
+    f32 = np.array([1.0, -2.5, 3e38, 1e-40], np.float32)
+    bits = (f32.view(np.uint32) >> 16).astype(np.uint16)
+    assert _core.all_finite(bits, "bf16")
+    for bad in (np.inf, -np.inf, np.nan):
+        assert not _core.all_finite(np.append(bits, np.uint16(np.float32(bad).view(np.uint32) >> 16)), "bf16")
+
+
+def test_all_finite_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="format must be one of f16, bf16, f32, f64; got f8"):
+        _core.all_finite(np.zeros(3, np.float32), "f8")
+    with pytest.raises(ValueError, match="format f64 needs 8-byte elements, `input` has 4"):
+        _core.all_finite(np.zeros(3, np.float32), "f64")
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        _core.all_finite(np.zeros(6, np.float32)[::2], "f32")

@@ -158,3 +158,27 @@ def test_tensorflow_version_mismatch_names_both_versions():
         ops.check_versions("2.20.0", "2.21.0")
     assert ops.built_tf_version() == tf.__version__
     ops.check_installed_tf()  # this installation is consistent
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_finite_op_matches_is_finite(dtype):
+    rng = np.random.default_rng(1)
+    good = [tf.constant(rng.normal(size=s).astype(np.float32), dtype) for s in [(3, 5), (70_000,), (1,)]]
+    assert bool(ops.all_finite(good))
+    for bad in (np.nan, np.inf, -np.inf):
+        for k in range(len(good)):
+            tensors = list(good)
+            flat = tensors[k].numpy().reshape(-1).astype(np.float32)
+            flat[-1] = bad
+            tensors[k] = tf.constant(flat.reshape(tensors[k].shape), dtype)
+            assert not bool(ops.all_finite(tensors))
+            assert not bool(tf.function(ops.all_finite)(tensors))  # inside a compiled step
+    mixed = [good[0], tf.constant([1.0, np.nan], tf.float64 if dtype != "float64" else tf.float16)]
+    assert not bool(ops.all_finite(mixed))
+
+
+def test_all_finite_op_bad_input():
+    with pytest.raises(ValueError, match="`tensors` is empty"):
+        ops.all_finite([])
+    with pytest.raises((TypeError, tf.errors.InvalidArgumentError), match="int32"):
+        ops.all_finite([tf.constant([1, 2])])

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/copy.h"
+#include "core/finite.h"
 #include "core/reduce.h"
 
 namespace py = pybind11;
@@ -120,6 +121,25 @@ void Cast(const py::array& input, py::array out, const char* name,
   kernel(src, dst, n);
 }
 
+bool AllFinite(const py::array& input, const std::string& format) {
+  static const std::pair<const char*, dsgd::FloatFormat> kFormats[] = {
+      {"f16", dsgd::FloatFormat::kF16}, {"bf16", dsgd::FloatFormat::kBF16},
+      {"f32", dsgd::FloatFormat::kF32}, {"f64", dsgd::FloatFormat::kF64}};
+  for (const auto& [name, f] : kFormats) {
+    if (format != name) continue;
+    CheckContiguous(input, "all_finite: `input`");
+    if (static_cast<std::size_t>(input.itemsize()) != dsgd::FormatBytes(f))
+      throw py::value_error("all_finite: format " + format + " needs " +
+                            std::to_string(dsgd::FormatBytes(f)) + "-byte elements, `input` has " +
+                            std::to_string(input.itemsize()));
+    const void* data = input.data();
+    std::size_t n = static_cast<std::size_t>(input.size());
+    py::gil_scoped_release release;
+    return dsgd::AllFinite(data, n, f);
+  }
+  throw py::value_error("all_finite: format must be one of f16, bf16, f32, f64; got " + format);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -145,4 +165,7 @@ it may be inputs[0] only if that is writable. max_threads <= 0 uses every core.)
   m.def("cast_f16_to_f32", [](const py::array& input, py::array out) {
           Cast<std::uint16_t, float>(input, out, "cast_f16_to_f32", dsgd::CastF16ToF32);
         }, py::arg("input"), py::arg("out"), "float16 (or uint16 bits) -> float32, exact.");
+  m.def("all_finite", &AllFinite, py::arg("input"), py::arg("format"),
+        "True iff no element of `input` (C-contiguous; its bits read as `format`: f16, bf16, "
+        "f32 or f64) is Inf or NaN. One single-threaded read; releases the GIL.");
 }
