@@ -86,11 +86,11 @@ class Replicas:
 
     def configure(self, plan: ShardPlan, on_nonfinite: str = "raise") -> None:
         """Compile the step functions for this shard plan. Unless `on_nonfinite`
-        is "ignore", every replica's gradient is checked for NaN/Inf (one extra
-        read of it). With "skip", `local_step` applies only finite steps; that
-        gate makes the update wait for every gradient (measured ~8-11 % of a
-        small CNN's step), so with "raise" the update runs unconditionally,
-        overlapping the backward pass, and the caller raises afterwards."""
+        is "ignore", every replica's gradient is checked for NaN/Inf. With
+        "skip", `local_step` applies only finite steps; that gate makes the
+        update wait for every gradient (measured ~8-11 % of a small CNN's step),
+        so with "raise" each variable's update runs right after its own
+        gradient's check, whatever the result, and the caller raises afterwards."""
         import tensorflow as tf
 
         self.plan = plan

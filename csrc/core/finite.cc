@@ -7,6 +7,9 @@
 namespace dsgd {
 namespace {
 
+// Elements per block: the granularity of the early exit.
+constexpr std::size_t kFiniteBlockElements = std::size_t{1} << 14;
+
 // Bits of one element as an unsigned integer U, and the exponent mask: an element
 // is non-finite iff (bits & mask) == mask. `stride` and `first` pick the words
 // that hold the exponent (binary64 is checked on its high 32-bit words). The

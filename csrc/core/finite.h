@@ -14,12 +14,9 @@ enum class FloatFormat { kF16, kBF16, kF32, kF64 };
 std::size_t FormatBytes(FloatFormat format);
 
 // True iff none of the `n` elements at `data` is +-Inf or NaN. One read of the
-// buffer, vectorised (the exponent bits of a block are max-reduced; no
-// per-element branch), stopping at the first block that holds a non-finite
-// element. Single-threaded: callers split large buffers themselves.
+// buffer, vectorised (a compare-and-or over each block's exponent bits; no
+// per-element branch), stopping after the first block (16 K elements) that holds
+// a non-finite element. Single-threaded; blocks until done.
 bool AllFinite(const void* data, std::size_t n, FloatFormat format);
-
-// Elements per block: the granularity of the early exit and of callers' splits.
-constexpr std::size_t kFiniteBlockElements = std::size_t{1} << 14;
 
 }  // namespace dsgd
