@@ -28,6 +28,25 @@ def test_sum_scaled_is_bit_exact(dtype, num_inputs, size, max_threads):
     np.testing.assert_array_equal(out, expected)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("num_inputs", [1, 2, 3])
+@pytest.mark.parametrize("max_threads", [1, 0])
+def test_large_sums_streamed_to_unaligned_out_are_bit_exact(dtype, num_inputs, max_threads):
+    # Above 1 MiB per thread the kernel streams its result (non-temporal stores
+    # from the first 16-byte-aligned element on): one element off alignment
+    # exercises the scalar head and tail around the vector loop.
+    size = 3 * 2**20 // np.dtype(dtype).itemsize + 7
+    rng = np.random.default_rng(num_inputs)
+    inputs = [rng.normal(size=size).astype(dtype) for _ in range(num_inputs)]
+    backing = np.full(size + 1, np.nan, dtype)
+    out = backing[1:]
+    assert out.ctypes.data % 16 != 0
+    _core.sum_scaled(inputs, out, 1.0 / num_inputs, max_threads)
+    expected = functools.reduce(np.add, inputs) * dtype(1.0 / num_inputs)
+    np.testing.assert_array_equal(out, expected)
+    assert np.isnan(backing[0])  # nothing written before `out`
+
+
 def test_mean_shard_averages_pieces_into_the_shard_layout():
     shapes = [(40,), (3,), (7,)]
     plan = plan_shards(shapes, ["float32"] * 3, 10_000_000)

@@ -13,7 +13,9 @@ namespace dsgd {
 // `functools.reduce(np.add, inputs) * scale` for the same type. `out` may
 // alias inputs[0]. Work is split over up to `max_threads` threads in blocks
 // of at least kMinElementsPerThread elements; max_threads <= 0 means
-// hardware_concurrency(). Blocks until done.
+// hardware_concurrency(). A thread's range of 1 MiB or more is computed in one
+// pass and written with streaming (non-temporal) stores; a smaller one in
+// cache-sized blocks. Blocks until done.
 template <typename T>
 void SumScaled(const T* const* inputs, std::size_t num_inputs, std::size_t length,
                T scale, T* out, int max_threads);
