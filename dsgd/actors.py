@@ -75,10 +75,11 @@ class ActorSet:
             self.workers.insert(position, handle)
         return handles
 
-    def start_ps(self, indices: list[int], node_ids: list[str]) -> list:
+    def start_ps(self, indices: list[int], node_ids: list[str], warm_store_bytes: int = 0) -> list:
         """Create PS actors `indices`, PS j pinned to node `node_ids[k]` (hard
         affinity: a soft one was seen to fall back to another node although a
-        0-CPU actor fits). Returns their handles."""
+        0-CPU actor fits), each warming `warm_store_bytes` of its object-store
+        mapping (store.warm). Returns their handles."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         handles = []
@@ -86,7 +87,8 @@ class ActorSet:
             name = self._name(constants.PS_NAME_PREFIX, j)
             handle = self._ps_cls.options(
                 name=name, num_cpus=constants.PS_NUM_CPUS, runtime_env=constants.ACTOR_RUNTIME_ENV,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(j)
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+                j, warm_store_bytes)
             self.names[id(handle)] = name
             while len(self.ps) <= j:
                 self.ps.append(None)

@@ -5,6 +5,14 @@ STRATEGIES = ("simple", "ps")
 ALL_REDUCE_ALGS = ("simple", "tree", "nccl")
 
 DEFAULT_GRAD_SHARD_BYTES = 10_000_000
+# Under strategy "ps", the shards of one PS travel as one object per worker and
+# step, in groups of at most this many bytes (None: one group per PS); see
+# sharding.group_shards.
+SHARD_GROUP_MAX_BYTES = None
+# Each worker and PS actor faults in its page-table entries for this many
+# steps' worth of objects at the start of its object-store mapping
+# ((num_workers + 1) x gradient bytes per step; see store.warm).
+STORE_WARM_STEPS = 8
 # A step that has not finished after this long raises StepTimeoutError.
 DEFAULT_STEP_TIMEOUT_S = 600.0
 # Worker start-up (import TensorFlow, build replicas) must finish within this.

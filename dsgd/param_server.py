@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsgd import _core
+from dsgd import _core, store
 from dsgd.sharding import Shard
 
 
 class ParameterServer:
-    def __init__(self, ps_index: int):
+    def __init__(self, ps_index: int, warm_store_bytes: int = 0):
         self.ps_index = ps_index
+        self.warmed_store_bytes = store.warm(warm_store_bytes)
         # Scratch output buffers, reused step after step so that summing never
         # touches fresh pages (first touch costs more than the sum on a VM).
         # Ray copies the returned array into the store before the next call.
@@ -31,14 +32,38 @@ class ParameterServer:
 
         return {"pid": os.getpid()}
 
-    def mean(self, shard: Shard, *worker_pieces: tuple[np.ndarray, ...]) -> np.ndarray:
-        """Mean of one shard over every worker. Each worker's shard arrives as the
-        tuple of its pieces (read-only object-store views; read, never kept).
-        Returns the shard's buffer laid out as `shard` says, padding zeroed."""
-        key = (shard.dtype, shard.num_elements)
-        if key not in self._scratch:
-            self._scratch[key] = np.zeros(shard.num_elements, shard.dtype)
-        return mean_shard(shard, worker_pieces, out=self._scratch[key])
+    def mean(self, shards: tuple[Shard, ...], *worker_groups: tuple[np.ndarray, ...]) -> tuple:
+        """Mean over every worker of a group of shards. Each worker's group arrives
+        as one tuple: the pieces of `shards[0]`, then those of `shards[1]`, ...
+        (read-only object-store views; read, never kept). Returns a tuple with
+        one buffer per shard, laid out as the shard says, padding zeroed; Ray
+        writes the tuple into one object."""
+        out = []
+        for k, shard in enumerate(shards):
+            key = (k, shard.dtype, shard.num_elements)
+            if key not in self._scratch:
+                self._scratch[key] = np.zeros(shard.num_elements, shard.dtype)
+            out.append(self._scratch[key])
+        for k, (shard, pieces) in enumerate(zip(shards, split_group(shards, worker_groups))):
+            try:
+                mean_shard(shard, pieces, out=out[k])
+            except ValueError as e:
+                raise ValueError(f"PS {self.ps_index}, shard {k} of its group: {e}") from e
+        return tuple(out)
+
+
+def split_group(shards, worker_groups) -> list[list[tuple]]:
+    """For each shard of a group, every worker's tuple of its pieces."""
+    counts = [len(s.pieces) for s in shards]
+    for w, group in enumerate(worker_groups):
+        if len(group) != sum(counts):
+            raise ValueError(f"worker {w} sent {len(group)} pieces for a group of "
+                             f"{len(shards)} shards with {sum(counts)} pieces")
+    per_shard, start = [], 0
+    for n in counts:
+        per_shard.append([tuple(g[start:start + n]) for g in worker_groups])
+        start += n
+    return per_shard
 
 
 def mean_shard(shard: Shard, worker_pieces, out: np.ndarray | None = None) -> np.ndarray:

@@ -11,13 +11,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dsgd import checkpoint, constants, failures, ops
+from dsgd import checkpoint, constants, failures, ops, store
 from dsgd.actors import ActorSet, actor_died_errors, placeable_workers
 from dsgd.arguments import check_args, check_resources, check_store
 from dsgd.errors import DsgdError, ModelMismatchError, NonFiniteError
 from dsgd.model import Model
-from dsgd.param_server import mean_shard
-from dsgd.sharding import ShardPlan, assign_shards, plan_shards, whole_plan
+from dsgd.param_server import mean_shard, split_group
+from dsgd.sharding import ShardPlan, assign_shards, group_shards, plan_shards, whole_plan
 from dsgd.worker import Worker
 
 logger = logging.getLogger("dsgd")
@@ -155,10 +155,11 @@ class DistributedSGD:
             self.plan: ShardPlan = (plan_shards(shapes, dtypes, self.grad_shard_bytes)
                                     if self.strategy == "ps" else whole_plan(shapes, dtypes))
             check_store(self.plan, self.num_workers)
+            self._warm_store_bytes = store.warm_bytes(self.plan, self.num_workers)
         else:
             self._check_signatures([self._signature] + infos)
             self._info_by_slot.update(zip(slots, infos))
-        self.actors.wait([w.configure.remote(self.plan, self.on_nonfinite)
+        self.actors.wait([w.configure.remote(self.plan, self.on_nonfinite, self._warm_store_bytes)
                           for w in handles], handles, "compiling the step", self.start_timeout_s,
                          stall_s)
 
@@ -178,6 +179,7 @@ class DistributedSGD:
         """Plan the shard -> PS assignment and start the PS actors (strategy "ps",
         more than one worker)."""
         self.ps_assignment: list[int] = []
+        self._set_groups(tuple((j,) for j in range(self.plan.num_shards)))
         if self.strategy != "ps" or self.num_workers == 1:
             return
         num_shards = self.plan.num_shards
@@ -187,9 +189,17 @@ class DistributedSGD:
             logger.warning("num_ps=%d but the gradients make only %d shard(s); %d PS actor(s) "
                            "will idle (lower grad_shard_bytes to make more shards)",
                            num_ps, num_shards, num_ps - num_shards)
-        self.ps_assignment = assign_shards([s.nbytes for s in self.plan.shards], num_ps)
+        nbytes = [s.nbytes for s in self.plan.shards]
+        self.ps_assignment = assign_shards(nbytes, num_ps)
+        self._set_groups(group_shards(self.ps_assignment, nbytes, constants.SHARD_GROUP_MAX_BYTES))
         self.actors.ps = [None] * num_ps
         self._ensure_ps()
+
+    def _set_groups(self, groups: tuple[tuple[int, ...], ...]) -> None:
+        """Shards that travel as one object per worker (and one PS result); see
+        sharding.group_shards."""
+        self.shard_groups = groups
+        self._group_shards = [tuple(self.plan.shards[j] for j in g) for g in groups]
 
     def _ensure_ps(self) -> None:
         """Start every PS actor that is missing (never started, or dead). PS j
@@ -204,7 +214,8 @@ class DistributedSGD:
         if not missing:
             return
         info = self.worker_info
-        handles = self.actors.start_ps(missing, [info[j % len(info)]["node_id"] for j in missing])
+        handles = self.actors.start_ps(missing, [info[j % len(info)]["node_id"] for j in missing],
+                                       self._warm_store_bytes)
         self.actors.wait([p.ready.remote() for p in handles], handles, "starting PS actors",
                          self.start_timeout_s, self._start_stall_s)
 
@@ -279,13 +290,15 @@ class DistributedSGD:
         return self._exchange_step(label)
 
     def _exchange_step(self, label: str):
-        """Workers stream their shards; PS j is called for shard j as soon as every
-        worker has written it, so summing overlaps with writing the next shard."""
+        """Workers stream their shards, one object per shard group (sharding.group_shards);
+        a group's PS is called as soon as every worker has written it, so summing
+        overlaps with writing the next group."""
         import ray
 
         start = time.perf_counter()
         workers = list(self.workers)
-        streams = [w.compute.options(num_returns="streaming").remote() for w in workers]
+        streams = [w.compute.options(num_returns="streaming").remote(self.shard_groups)
+                   for w in workers]
         info_refs = self.actors.next_all(streams, workers, f"{label}: computing gradients",
                                          self._time_left(start))
         infos = self._wait(info_refs, workers, f"{label}: computing gradients",
@@ -293,17 +306,20 @@ class DistributedSGD:
         if not self._check_finite(infos):
             return infos, [{"apply_s": 0.0}]  # skipped: the streams' shards are dropped
         mean_refs = []
-        for j, shard in enumerate(self.plan.shards):
-            refs = self.actors.next_all(streams, workers, f"{label}: writing shard {j}",
+        for g, group in enumerate(self.shard_groups):
+            refs = self.actors.next_all(streams, workers, f"{label}: writing shard group {g}",
                                         self._time_left(start))
+            shards = self._group_shards[g]
             if self.strategy == "ps":
-                mean_refs.append(self.actors.ps[self.ps_assignment[j]].mean.remote(shard, *refs))
+                ps = self.actors.ps[self.ps_assignment[group[0]]]
+                mean_refs.append(ps.mean.remote(shards, *refs))
             else:
-                pieces = self._wait(refs, workers, f"{label}: gathering shard {j}",
-                                    self._time_left(start))
-                mean_refs.append(ray.put(mean_shard(shard, pieces)))
-        applied = self._wait([w.apply.remote(*mean_refs) for w in workers], workers,
-                             f"{label}: applying", self._time_left(start))
+                worker_groups = self._wait(refs, workers, f"{label}: gathering shard group {g}",
+                                           self._time_left(start))
+                mean_refs.append(ray.put(tuple(
+                    mean_shard(s, p) for s, p in zip(shards, split_group(shards, worker_groups)))))
+        applied = self._wait([w.apply.remote(self.shard_groups, *mean_refs) for w in workers],
+                             workers, f"{label}: applying", self._time_left(start))
         return infos, applied
 
     def _check_finite(self, infos: list[dict]) -> bool:

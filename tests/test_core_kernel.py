@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dsgd import _core
-from dsgd.param_server import mean_shard
+from dsgd.param_server import ParameterServer, mean_shard
 from dsgd.sharding import plan_shards
 
 SIZES = [1, 17, 1000, _core.MIN_ELEMENTS_PER_THREAD * 2 + 5]
@@ -59,6 +59,29 @@ def test_mean_shard_averages_pieces_into_the_shard_layout():
     expected = plan.pack([functools.reduce(np.add, [w[v] for w in per_worker]) * np.float32(1 / 3)
                           for v in range(3)])[0]
     np.testing.assert_array_equal(out, expected)
+
+
+def test_ps_means_a_group_of_shards_in_one_call():
+    shapes = [(300,), (5,), (200,), (7, 3)]
+    plan = plan_shards(shapes, ["float32"] * 4, 1024)  # 4 shards, the 300-vector split
+    assert plan.num_shards >= 3
+    group = (0, 2)
+    shards = tuple(plan.shards[j] for j in group)
+    rng = np.random.default_rng(1)
+    flats = [[rng.normal(size=int(np.prod(s))).astype(np.float32) for s in shapes] for _ in range(2)]
+    # What a worker sends for the group: the pieces of shard 0, then those of shard 2.
+    sent = [tuple(flat[p.var_index][p.var_offset:p.var_offset + p.length]
+                  for s in shards for p in s.pieces) for flat in flats]
+    ps = ParameterServer(0)
+    means = ps.mean(shards, *sent)
+    expected = plan.pack([(a + b) * np.float32(0.5) for a, b in zip(*flats)])
+    assert len(means) == 2
+    for mean, j in zip(means, group):
+        np.testing.assert_array_equal(mean, expected[j])
+    again = ps.mean(shards, *sent)  # scratch reused, one buffer per shard of the group
+    assert again[0] is means[0] and again[1] is means[1] and again[0] is not again[1]
+    with pytest.raises(ValueError, match="worker 1 sent 1 pieces for a group of 2 shards"):
+        ps.mean(shards, sent[0], sent[1][:1])
 
 
 def test_bad_input_is_a_python_error():

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from dsgd.sharding import assign_shards, plan_shards, whole_plan
+from dsgd.sharding import assign_shards, group_shards, plan_shards, whole_plan
 
 SHAPES = [(5, 7), (7,), (7, 3), (3,)]  # tiny.py's variables: 140, 28, 84, 12 bytes
 
@@ -105,3 +105,22 @@ def test_assign_balances_bytes():
     assert sorted(set(assign_shards([10, 9, 8], 3))) == [0, 1, 2]
     with pytest.raises(ValueError, match="num_ps must be >= 1"):
         assign_shards(sizes, 0)
+
+
+def test_groups_are_one_per_ps_in_first_shard_order():
+    owner = [1, 0, 1, 0, 1]
+    assert group_shards(owner, [8] * 5) == ((0, 2, 4), (1, 3))
+    assert group_shards([0, 0, 0], [8, 8, 8]) == ((0, 1, 2),)
+    # Every shard appears exactly once and each group has one PS.
+    for groups in (group_shards(owner, [8] * 5), group_shards(owner, [8] * 5, 16)):
+        assert sorted(j for g in groups for j in g) == list(range(5))
+        assert all(len({owner[j] for j in g}) == 1 for g in groups)
+
+
+def test_groups_respect_their_byte_limit():
+    assert group_shards([0, 0, 0, 0], [8, 8, 8, 8], 16) == ((0, 1), (2, 3))
+    assert group_shards([0, 1, 0, 1], [8, 8, 8, 8], 16) == ((0, 2), (1, 3))
+    # A shard above the limit travels alone; the next one starts a new group.
+    assert group_shards([0, 0, 0], [4, 40, 4], 16) == ((0,), (1,), (2,))
+    with pytest.raises(ValueError, match="3 owners but 2 shards"):
+        group_shards([0, 0, 0], [1, 2])

@@ -44,8 +44,8 @@ def test_store_usage_is_flat_over_1000_steps(strategy):
                              grad_shard_bytes=140_000) as sgd:
         shards = sgd.plan.shards
         assert all(s.nbytes > 100_000 for s in shards) or strategy == "simple"
-        # Per step: every worker's shards plus one mean per shard.
-        objects_per_step = (sgd.num_workers + 1) * len(shards)
+        # Per step: one object per shard group from every worker, plus one mean per group.
+        objects_per_step = (sgd.num_workers + 1) * len(sgd.shard_groups)
         for _ in range(10):
             sgd.step()
         after_10 = store.drained_usage()
@@ -61,6 +61,37 @@ def test_store_usage_is_flat_over_1000_steps(strategy):
     assert peak <= 20 * objects_per_step, (peak, objects_per_step)
     # ... and when nobody holds a reference, everything is freed, after 10 steps as after 1000.
     assert after_1000 == after_10 == {"bytes_used": 0, "num_objects": 0}, (after_10, after_1000)
+
+
+def test_warm_faults_in_the_store_mapping_without_touching_data():
+    import resource
+
+    kept = ray.put(np.arange(1000, dtype=np.int64))  # an object warming must not change
+    warmed = store.warm(1 << 40)
+    mappings = store.store_mappings()
+    assert mappings, "this process has no object-store mapping"
+    assert warmed == sum(length for _, length in mappings) > 0
+    np.testing.assert_array_equal(ray.get(kept), np.arange(1000))
+    data = np.ones(8 * 2**20 // 4, np.float32)  # 2,048 pages, made before counting
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    ref = ray.put(data)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 500, f"{faults} page faults writing 2,048 pages of a warmed store"
+    np.testing.assert_array_equal(ray.get(ref)[::4096], data[::4096])
+    assert store.warm(0) == 0
+
+
+def test_actors_warm_their_store_mapping():
+    with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy="ps",
+                             grad_shard_bytes=140_000) as sgd:
+        want = store.warm_bytes(sgd.plan, 2)
+        assert want == 8 * 3 * sum(s.nbytes for s in sgd.plan.shards)
+        assert sgd.foreach_worker(lambda w: w.warmed_store_bytes) == [want, want]
+        ps = ray.get([p.__ray_call__.remote(lambda p: p.warmed_store_bytes)
+                      for p in sgd.ps_actors], timeout=60)
+        assert ps == [want] * len(sgd.ps_actors)
+    with dsgd.DistributedSGD(MidModel, 1, 1, gpu=False) as sgd:  # one worker: no exchange
+        assert sgd.foreach_worker(lambda w: w.warmed_store_bytes) == [0]
 
 
 def test_store_usage_is_flat_with_failures_in_between():
