@@ -1,6 +1,7 @@
 """Exchange cost of dsgd's "ps" strategy against the memory bound and a plain-Ray peer.
 
-    python benchmarks/comm.py [--mib 100] [--workers 2] [--ps 2] [--steps 20] [--sizes 25 50 100]
+    python benchmarks/comm.py [--sizes 25 50 100] [--workers 2] [--ps 2] [--steps 20]
+                              [--variables 20] [--shard-mb 10]
 
 For each gradient size S (MiB per worker), one run measures, as per-step medians:
   memcpy_s     numpy copy of S MiB into a warm buffer (the memory bound's unit)
@@ -10,6 +11,11 @@ For each gradient size S (MiB per worker), one run measures, as per-step medians
   peer_s       what a user would write by hand with plain Ray: each worker returns
                its numpy gradient halves, P actors sum them with numpy, workers
                fetch the results (no TensorFlow; exchange only)
+  shared_plain_s  N plain steps at once, one per Ray actor, no exchange: what the
+               workers' own compute and update cost when they share the machine
+               (on 2 cores with 2 workers, each gets one core: exchange_s counts that too)
+and, for the dsgd run, CPU ms and minor page faults per step of every process
+(workers, PS actors, raylet, driver) from /proc: where the time goes.
 The model is compute-light (gradient = a constant fill, SGD update) so the exchange shows.
 Writes JSON to benchmarks/results/comm.json and a PNG chart beside it.
 """
@@ -28,21 +34,25 @@ import numpy as np
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import dsgd  # noqa: E402
+from dsgd import constants  # noqa: E402
 
 MIB = 2**20
-NUM_VARIABLES = 10
+# 5.2 MiB each at 100 MiB: none is split by the default 10 MB shards (ResNet-50's
+# largest gradient is 8 MB). With --variables 10 every 10.5 MiB variable is split
+# across two shards and the worker copies it back together on read.
+NUM_VARIABLES = 20
 
 
 class FlatModel(dsgd.Model):
-    """NUM_VARIABLES float32 vectors totalling `mib` MiB; loss = c * sum(v), so the
+    """`num_variables` float32 vectors totalling `mib` MiB; loss = c * sum(v), so the
     gradient is the constant c everywhere: computing it costs one write pass."""
 
-    def __init__(self, mib: float):
+    def __init__(self, mib: float, num_variables: int = NUM_VARIABLES):
         import keras
         import tensorflow as tf
 
-        n = int(mib * MIB / 4 / NUM_VARIABLES)
-        self.variables = [tf.Variable(tf.zeros([n]), name=f"v{i}") for i in range(NUM_VARIABLES)]
+        n = int(mib * MIB / 4 / num_variables)
+        self.variables = [tf.Variable(tf.zeros([n]), name=f"v{i}") for i in range(num_variables)]
         self.optimizer = keras.optimizers.SGD(1e-6)
 
     def get_loss(self, batch):
@@ -74,10 +84,10 @@ def memcpy_s(mib: float, steps: int) -> float:
     return median_time(lambda: np.copyto(dst, src), steps, 3)
 
 
-def plain_s(mib: float, steps: int, warmup: int) -> float:
+def plain_s(mib: float, steps: int, warmup: int, num_variables: int) -> float:
     import tensorflow as tf
 
-    model = FlatModel(mib)
+    model = FlatModel(mib, num_variables)
 
     @tf.function
     def step():
@@ -89,12 +99,82 @@ def plain_s(mib: float, steps: int, warmup: int) -> float:
     return median_time(lambda: step().numpy(), steps, warmup)
 
 
-def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes):
-    with dsgd.DistributedSGD(lambda w, d: FlatModel(mib), workers, 1, gpu=False, strategy="ps",
-                             num_ps=num_ps, grad_shard_bytes=shard_bytes) as sgd:
-        stats = [sgd.step(fetch_stats=True) for _ in range(warmup + steps)][warmup:]
-    return {k: statistics.median(s[k] for s in stats)
-            for k in ("step_s", "compute_s", "exchange_s", "apply_s")}
+def proc_stat(pid: int) -> tuple[float, int]:
+    """(CPU seconds used so far, minor page faults so far) of process `pid`."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
+
+
+def raylet_pid() -> int | None:
+    try:
+        from ray._private import ray_constants, worker
+
+        return worker._global_node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    except (AttributeError, KeyError, IndexError):
+        return None
+
+
+def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables):
+    """Per-step medians of the dsgd step and its phases, plus where the CPU went:
+    CPU ms and minor page faults per step of every process (Linux /proc)."""
+    import ray
+
+    with dsgd.DistributedSGD(lambda w, d: FlatModel(mib, num_variables), workers, 1, gpu=False,
+                             strategy="ps", num_ps=num_ps, grad_shard_bytes=shard_bytes) as sgd:
+        for _ in range(warmup):
+            sgd.step()
+        pids = {f"worker{i}": ray.get(w.ping.remote(), timeout=60)["pid"]
+                for i, w in enumerate(sgd.workers)}
+        pids.update({f"ps{j}": ray.get(p.ping.remote(), timeout=60)["pid"]
+                     for j, p in enumerate(sgd.ps_actors)})
+        pids.update(raylet=raylet_pid(), driver=os.getpid())
+        pids = {k: v for k, v in pids.items() if v is not None}
+        before = {k: proc_stat(pid) for k, pid in pids.items()}
+        stats = [sgd.step(fetch_stats=True) for _ in range(steps)]
+        after = {k: proc_stat(pid) for k, pid in pids.items()}
+        groups = len(sgd.shard_groups)
+        num_shards = sgd.plan.num_shards
+    phases = {k: statistics.median(s[k] for s in stats)
+              for k in ("step_s", "compute_s", "exchange_s", "apply_s")}
+    phases["cpu_ms_per_step"] = {k: 1e3 * (after[k][0] - before[k][0]) / steps for k in pids}
+    phases["faults_per_step"] = {k: (after[k][1] - before[k][1]) / steps for k in pids}
+    phases.update(num_shards=num_shards, num_groups=groups)
+    return phases
+
+
+def shared_plain_s(mib, workers, steps, warmup, num_variables):
+    """`workers` plain tf.function steps at once, one per Ray actor (started like
+    dsgd's workers: 1 CPU, niceness 0), no exchange; median wall time of a round."""
+    import ray
+
+    @ray.remote(num_cpus=1, runtime_env=constants.ACTOR_RUNTIME_ENV)
+    class PlainWorker:
+        def __init__(self):
+            import tensorflow as tf
+
+            self.model = model = FlatModel(mib, num_variables)
+
+            @tf.function
+            def step():
+                with tf.GradientTape() as tape:
+                    loss = model.get_loss(None)
+                grads = tape.gradient(loss, model.variables)
+                model.optimizer.apply_gradients(zip(grads, model.variables))
+                return loss
+
+            self.step_fn = step
+
+        def step(self):
+            return float(self.step_fn().numpy())
+
+    actors = [PlainWorker.remote() for _ in range(workers)]
+    try:
+        return median_time(lambda: ray.get([a.step.remote() for a in actors], timeout=300),
+                           steps, warmup)
+    finally:
+        for a in actors:
+            ray.kill(a)
 
 
 def peer_s(mib, workers, num_ps, steps, warmup):
@@ -148,6 +228,7 @@ def chart(rows, path, shard_bytes):
     sizes = [r["mib"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in (("plain_s", "plain tf.function step"), ("dsgd_s", "dsgd ps step"),
+                       ("shared_plain_s", "plain steps on every worker at once"),
                        ("peer_s", "plain-Ray exchange (peer)"), ("bound_s", "2 x memcpy")):
         ax.plot(sizes, [1000 * r[key] for r in rows], marker="o", label=label)
     ax.set_xlabel("gradient MiB per worker")
@@ -167,6 +248,8 @@ def main(argv=None):
     p.add_argument("--ps", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--variables", type=int, default=NUM_VARIABLES,
+                   help="equal float32 variables the gradient is made of")
     p.add_argument("--shard-mb", type=float, default=10.0,
                    help="grad_shard_bytes in MB (10 is dsgd's default)")
     p.add_argument("--preallocate-store", action="store_true",
@@ -183,10 +266,13 @@ def main(argv=None):
     rows = []
     for mib in args.sizes:
         row = {"mib": mib, "workers": args.workers, "num_ps": args.ps,
-               "memcpy_s": memcpy_s(mib, args.steps), "plain_s": plain_s(mib, args.steps, args.warmup)}
-        phases = dsgd_s(mib, args.workers, args.ps, args.steps, args.warmup, int(args.shard_mb * 1e6))
+               "memcpy_s": memcpy_s(mib, args.steps), "plain_s": plain_s(mib, args.steps, args.warmup, args.variables)}
+        phases = dsgd_s(mib, args.workers, args.ps, args.steps, args.warmup, int(args.shard_mb * 1e6),
+                        args.variables)
         row.update(dsgd_s=phases["step_s"], dsgd_phases=phases)
         row["peer_s"] = peer_s(mib, args.workers, args.ps, args.steps, args.warmup)
+        row["shared_plain_s"] = shared_plain_s(mib, args.workers, args.steps, args.warmup,
+                                               args.variables)
         row["bound_s"] = 2 * row["memcpy_s"]
         row["exchange_s"] = row["dsgd_s"] - row["plain_s"]
         row["exchange_over_bound"] = row["exchange_s"] / row["bound_s"]
@@ -196,8 +282,15 @@ def main(argv=None):
               f"dsgd {1e3 * row['dsgd_s']:.1f} ms, exchange {1e3 * row['exchange_s']:.1f} ms "
               f"= {row['exchange_over_bound']:.2f} x (2 x memcpy); plain-Ray peer {1e3 * row['peer_s']:.1f} ms "
               f"({row['peer_over_exchange']:.2f} x dsgd's exchange)", flush=True)
+        print(f"        {args.workers} plain steps at once (no exchange): "
+              f"{1e3 * row['shared_plain_s']:.1f} ms; dsgd step - that: "
+              f"{1e3 * (row['dsgd_s'] - row['shared_plain_s']):.1f} ms", flush=True)
+        cpu = phases["cpu_ms_per_step"]
+        print("        CPU ms per step: " + ", ".join(f"{k} {v:.0f}" for k, v in cpu.items())
+              + f" (sum {sum(cpu.values()):.0f}, {os.cpu_count()} cores)", flush=True)
     result = {"benchmark": "comm", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "steps": args.steps, "warmup": args.warmup, "grad_shard_bytes": int(args.shard_mb * 1e6),
+              "num_variables": args.variables,
               "preallocate_store": args.preallocate_store, "object_store_bytes": store, "rows": rows}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

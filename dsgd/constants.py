@@ -13,6 +13,9 @@ SHARD_GROUP_MAX_BYTES = None
 # steps' worth of objects at the start of its object-store mapping
 # ((num_workers + 1) x gradient bytes per step; see store.warm).
 STORE_WARM_STEPS = 8
+# ... but at most this many bytes per process (~1 s, 8 MB of page tables), so
+# that start-up stays short with very large gradients or many workers.
+STORE_WARM_MAX_BYTES = 4 * 2**30
 # A step that has not finished after this long raises StepTimeoutError.
 DEFAULT_STEP_TIMEOUT_S = 600.0
 # Worker start-up (import TensorFlow, build replicas) must finish within this.

@@ -94,11 +94,13 @@ def warm(max_bytes: int) -> int:
 
 def warm_bytes(plan, num_workers: int) -> int:
     """How much of its store mapping each actor warms: STORE_WARM_STEPS steps of
-    objects ((num_workers + 1) x the gradient's bytes each); 0 with one worker,
-    which exchanges nothing through the store. Ray's allocator reuses freed
-    room, so a step's objects land within the first few steps' worth of the store."""
+    objects ((num_workers + 1) x the gradient's bytes each), at most
+    STORE_WARM_MAX_BYTES; 0 with one worker, which exchanges nothing through the
+    store. Ray's allocator reuses freed room, so a step's objects land within
+    the first few steps' worth of the store."""
     from dsgd import constants
 
     if num_workers <= 1:
         return 0
-    return constants.STORE_WARM_STEPS * (num_workers + 1) * sum(s.nbytes for s in plan.shards)
+    step_bytes = (num_workers + 1) * sum(s.nbytes for s in plan.shards)
+    return min(constants.STORE_WARM_STEPS * step_bytes, constants.STORE_WARM_MAX_BYTES)

@@ -81,6 +81,17 @@ def test_warm_faults_in_the_store_mapping_without_touching_data():
     assert store.warm(0) == 0
 
 
+def test_warm_bytes_covers_8_steps_up_to_a_bound():
+    from dsgd import constants
+    from dsgd.sharding import plan_shards
+
+    small = plan_shards([(1000,)], ["float32"], 10_000_000)
+    assert store.warm_bytes(small, 2) == 8 * 3 * 4000
+    assert store.warm_bytes(small, 1) == 0  # one worker exchanges nothing
+    huge = plan_shards([(2**30,)], ["float32"], 10_000_000)  # 4 GiB of gradients
+    assert store.warm_bytes(huge, 4) == constants.STORE_WARM_MAX_BYTES
+
+
 def test_actors_warm_their_store_mapping():
     with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy="ps",
                              grad_shard_bytes=140_000) as sgd:
