@@ -43,10 +43,11 @@ def drained_usage(timeout_s: float = 60.0, interval_s: float = 0.1) -> dict:
 _MADV_POPULATE_WRITE = 23
 
 
-def store_mappings() -> list[tuple[int, int]]:
+def store_mappings(shared_memory_only: bool = False) -> list[tuple[int, int]]:
     """(address, length) of this process's mappings of Ray's object store (the
-    plasma file in /dev/shm or the store's temp directory). Empty where there is
-    none (not Linux, or this process has not touched the store yet)."""
+    plasma file in /dev/shm or, when that is too small, in Ray's temp directory;
+    with `shared_memory_only`, those in /dev/shm only). Empty where there is none
+    (not Linux, or this process has not touched the store yet)."""
     try:
         with open("/proc/self/maps") as f:
             lines = f.readlines()
@@ -55,7 +56,8 @@ def store_mappings() -> list[tuple[int, int]]:
     found = []
     for line in lines:
         fields = line.split()
-        if len(fields) >= 6 and "/plasma" in fields[5] and fields[1].startswith("rw"):
+        if len(fields) >= 6 and "/plasma" in fields[5] and fields[1].startswith("rw") \
+                and (not shared_memory_only or fields[5].startswith("/dev/shm/")):
             start, end = (int(x, 16) for x in fields[0].split("-"))
             found.append((start, end - start))
     return found
@@ -66,7 +68,9 @@ def warm(max_bytes: int) -> int:
     every object-store mapping, so that writing or reading an object there later
     never pays a first-touch page fault. Blocks (~0.1 s per GB). Contents are
     not touched. Returns the bytes populated (0 where madvise cannot do it:
-    kernels before 5.14, or no mapping yet; the store then warms up as it is used).
+    kernels before 5.14, no mapping yet, or a store Ray put on disk because
+    /dev/shm was too small, where populating would write to disk; the store then
+    warms up as it is used).
 
     Why: Ray places each step's objects wherever its allocator finds room, so
     for the first tens of steps every process kept touching pages of the store
@@ -84,7 +88,7 @@ def warm(max_bytes: int) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     done = 0
-    for address, length in store_mappings():
+    for address, length in store_mappings(shared_memory_only=True):
         length = min(length, max_bytes)
         if libc.madvise(address, length, _MADV_POPULATE_WRITE) != 0:
             return done
