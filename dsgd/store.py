@@ -66,7 +66,7 @@ def store_mappings(shared_memory_only: bool = False) -> list[tuple[int, int]]:
 def warm(max_bytes: int) -> int:
     """Fault in this process's page-table entries for the first `max_bytes` of
     every object-store mapping, so that writing or reading an object there later
-    never pays a first-touch page fault. Blocks (~0.1 s per GB). Contents are
+    never pays a first-touch page fault. Blocks (~0.25 s per GB measured). Contents are
     not touched. Returns the bytes populated (0 where madvise cannot do it:
     kernels before 5.14, no mapping yet, or a store Ray put on disk because
     /dev/shm was too small, where populating would write to disk; the store then

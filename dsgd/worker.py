@@ -53,7 +53,7 @@ class Worker:
         """After the first step (TensorFlow, Keras and the traced step are built),
         move every object alive into Python's permanent GC generation. A worker
         holds ~400 K such objects; a full collection walked all of them about
-        once every 10 steps, ~20 ms of CPU per step on average (measured on a
+        once every 10 steps, ~20-25 ms of CPU per step on average (measured on a
         100 MiB model, 2 cores). Objects made later are collected as usual."""
         if not self._gc_frozen:
             import gc
@@ -81,31 +81,26 @@ class Worker:
         return {"losses": losses.numpy().tolist(), "finite": finite, "applied": applied,
                 "compute_s": time.perf_counter() - start}
 
-    def compute(self, groups: tuple[tuple[int, ...], ...] | None = None):
+    def compute(self, groups: tuple[tuple[int, ...], ...]):
         """This step's gradients, averaged across local replicas, streamed group by
         group. A generator (call with num_returns="streaming"): yields the info
-        dict, then for each group of shard indices (default: one group per shard)
-        one flat tuple of the pieces of its shards, in order. Each yield becomes
-        its own object, in the store as soon as it is written, so a PS can sum
-        group g while group g+1 is being written."""
+        dict, then for each group of shard indices one flat tuple of the pieces of
+        its shards, in order. Each yield becomes its own object, in the store as
+        soon as it is written, so a PS can sum group g while group g+1 is being
+        written."""
         start = time.perf_counter()
         losses, finite, flat_grads = self.replicas.compute()
         pieces = self.replicas.shard_pieces(flat_grads)
-        if groups is None:
-            groups = tuple((j,) for j in range(len(pieces)))
         yield {"losses": losses.numpy().tolist(), "finite": finite.numpy().tolist(),
                "compute_s": time.perf_counter() - start}
         for group in groups:  # (Ray's generator wrapper cannot `yield from` a list)
             yield tuple(piece for j in group for piece in pieces[j])
 
-    def apply(self, groups: tuple[tuple[int, ...], ...] | None, *group_means: tuple) -> dict:
+    def apply(self, groups: tuple[tuple[int, ...], ...], *group_means: tuple) -> dict:
         """Apply the global mean gradient to every replica. `group_means[g]` holds
-        one 1-D array per shard of `groups[g]` (default: one group per shard), as
-        a PS returns them: read-only object-store views, read during the call,
-        not kept."""
+        one 1-D array per shard of `groups[g]`, as a PS returns them: read-only
+        object-store views, read during the call, not kept."""
         start = time.perf_counter()
-        if groups is None:
-            groups = tuple((j,) for j in range(len(group_means)))
         if len(group_means) != len(groups):
             raise DsgdError(f"worker {self.worker_index}: got {len(group_means)} mean groups "
                             f"for {len(groups)} groups")
