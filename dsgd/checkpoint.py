@@ -199,3 +199,31 @@ def read(path: str) -> tuple[dict[str, bytes], dict]:
     if ".index" not in files:
         raise CheckpointError(f"checkpoint {path!r} records no .index file")
     return files, meta
+
+
+def save(sgd, path: str) -> str:
+    """(driver side) `DistributedSGD.save_checkpoint`: worker 0 / replica 0's
+    state, written by the driver as the checkpoint `path`. Blocks."""
+    files = sgd._wait([sgd.workers[0].save_checkpoint.remote(sgd.steps_done)],
+                      sgd.workers[:1], "save_checkpoint", sgd.step_timeout_s)[0]
+    meta = {"step": sgd.steps_done, "num_workers": sgd.num_workers,
+            "devices_per_worker": sgd.devices_per_worker, "strategy": sgd.strategy,
+            "grad_shard_bytes": sgd.grad_shard_bytes, "all_reduce_alg": sgd.all_reduce_alg,
+            "on_nonfinite": sgd.on_nonfinite, "skipped_steps": sgd.skipped_steps,
+            "variables": {"shapes": [list(s) for s in sgd.plan.shapes],
+                          "dtypes": list(sgd.plan.dtypes)}}
+    write(path, files, meta)
+    sgd._last_checkpoint = path
+    return path
+
+
+def restore(sgd, path: str) -> None:
+    """(driver side) `DistributedSGD.restore_checkpoint`: the checked files,
+    shipped once through the object store to every worker. Blocks."""
+    import ray
+
+    files, _ = read(path)
+    ref = ray.put(files)
+    steps = sgd._call_all("restore_checkpoint", ref)
+    sgd.steps_done = int(steps[0])
+    sgd._last_checkpoint = path

@@ -1,23 +1,23 @@
-"""`DistributedSGD`: the driver. It plans shards, starts actors, drives steps and
-decides what to do when actors fail; workers and PS actors only execute."""
+"""`DistributedSGD`: the driver. It drives steps; starting actors and planning
+shards (dsgd/launch.py), failure handling (dsgd/recovery.py carries out
+dsgd/failures.py) and checkpoint plumbing (dsgd/checkpoint.py) live beside it.
+Workers and PS actors only execute."""
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from typing import Any, Callable
 
 import numpy as np
 
-from dsgd import checkpoint, constants, failures, ops, store
-from dsgd.actors import ActorSet, actor_died_errors, placeable_workers
-from dsgd.arguments import check_args, check_resources, check_store
-from dsgd.errors import DsgdError, ModelMismatchError, NonFiniteError
+from dsgd import checkpoint, constants, launch, ops, recovery
+from dsgd.actors import ActorSet, actor_died_errors
+from dsgd.arguments import check_args, check_resources
+from dsgd.errors import NonFiniteError
 from dsgd.model import Model
 from dsgd.param_server import mean_shard, split_group
-from dsgd.sharding import ShardPlan, assign_shards, group_shards, plan_shards, whole_plan
 from dsgd.worker import Worker
 
 logger = logging.getLogger("dsgd")
@@ -112,9 +112,9 @@ class DistributedSGD:
         self.actors = ActorSet((model_creator, devices_per_worker, gpu, all_reduce_alg), options,
                                self._suffix, stall_s)
         try:
-            self._start_workers(list(range(num_workers)), first=True)
-            self._start_ps(num_ps)
-            self._broadcast_state()  # everyone starts from worker 0 / replica 0
+            launch.start_workers(self, list(range(num_workers)), first=True)
+            launch.start_ps(self, num_ps)
+            launch.broadcast_state(self)  # everyone starts from worker 0 / replica 0
         except BaseException:
             self.shutdown()
             raise
@@ -134,106 +134,10 @@ class DistributedSGD:
         return [self._info_by_slot[s] for s in self.actors.slots]
 
     @property
-    def _start_stall_s(self) -> float:
-        """Stall-report interval while actors start: start-up is slow by nature
-        (seconds to import TensorFlow), so report less often than during steps."""
-        return max(self.actors.stall_warning_s, constants.START_STALL_WARNING_S)
-
-    def _start_workers(self, slots: list[int], first: bool = False) -> None:
-        """Start workers for `slots`, build their replicas (check they match the
-        others) and compile their step. Blocks, at most `start_timeout_s`."""
-        handles = self.actors.start_workers(slots)
-        stall_s = self._start_stall_s
-        infos = self.actors.wait([w.setup.remote() for w in handles], handles,
-                                 "starting (setup: import TensorFlow, build replicas)",
-                                 self.start_timeout_s, stall_s)
-        if first:
-            self._info_by_slot: dict[int, dict] = dict(zip(slots, infos))
-            self._check_signatures(infos)
-            shapes, dtypes = infos[0]["shapes"], infos[0]["dtypes"]
-            self._signature = infos[0]
-            self.plan: ShardPlan = (plan_shards(shapes, dtypes, self.grad_shard_bytes)
-                                    if self.strategy == "ps" else whole_plan(shapes, dtypes))
-            check_store(self.plan, self.num_workers)
-            self._warm_store_bytes = store.warm_bytes(self.plan, self.num_workers)
-        else:
-            self._check_signatures([self._signature] + infos)
-            self._info_by_slot.update(zip(slots, infos))
-        self.actors.wait([w.configure.remote(self.plan, self.on_nonfinite, self._warm_store_bytes)
-                          for w in handles], handles, "compiling the step", self.start_timeout_s,
-                         stall_s)
-
-    def _check_signatures(self, infos: list[dict]) -> None:
-        first = infos[0]
-        for i, info in enumerate(infos[1:], start=1):
-            if info["shapes"] != first["shapes"] or info["dtypes"] != first["dtypes"]:
-                k = next((k for k, (a, b) in enumerate(zip(info["shapes"], first["shapes"]))
-                          if a != b or info["dtypes"][k] != first["dtypes"][k]),
-                         min(len(info["shapes"]), len(first["shapes"])))
-                raise ModelMismatchError(
-                    f"worker {i}'s replicas have {len(info['shapes'])} variables, worker 0's have "
-                    f"{len(first['shapes'])}; first difference at variable {k}: "
-                    f"{_describe(info, k)} vs {_describe(first, k)}")
-
-    def _start_ps(self, num_ps: int | None) -> None:
-        """Plan the shard -> PS assignment and start the PS actors (strategy "ps",
-        more than one worker)."""
-        self.ps_assignment: list[int] = []
-        self._set_groups(tuple((j,) for j in range(self.plan.num_shards)))
-        if self.strategy != "ps" or self.num_workers == 1:
-            return
-        num_shards = self.plan.num_shards
-        if num_ps is None:
-            num_ps = min(num_shards, self.num_workers)
-        elif num_ps > num_shards:
-            logger.warning("num_ps=%d but the gradients make only %d shard(s); %d PS actor(s) "
-                           "will idle (lower grad_shard_bytes to make more shards)",
-                           num_ps, num_shards, num_ps - num_shards)
-        nbytes = [s.nbytes for s in self.plan.shards]
-        self.ps_assignment = assign_shards(nbytes, num_ps)
-        self._set_groups(group_shards(self.ps_assignment, nbytes, constants.SHARD_GROUP_MAX_BYTES))
-        self.actors.ps = [None] * num_ps
-        self._ensure_ps()
-
-    def _set_groups(self, groups: tuple[tuple[int, ...], ...]) -> None:
-        """Shards that travel as one object per worker (and one PS result); see
-        sharding.group_shards."""
-        self.shard_groups = groups
-        self._group_shards = [tuple(self.plan.shards[j] for j in g) for g in groups]
-
-    def _ensure_ps(self) -> None:
-        """Start every PS actor that is missing (never started, or dead). PS j
-        lives beside worker j (round-robin): every node that sends gradients also
-        sums its share, as in BytePS."""
-        if self.strategy != "ps" or self.num_workers == 1:
-            return
-        if not self.ps_assignment:
-            self._start_ps(self._num_ps)
-            return
-        missing = [j for j, p in enumerate(self.actors.ps) if p is None]
-        if not missing:
-            return
-        info = self.worker_info
-        handles = self.actors.start_ps(missing, [info[j % len(info)]["node_id"] for j in missing],
-                                       self._warm_store_bytes)
-        self.actors.wait([p.ready.remote() for p in handles], handles, "starting PS actors",
-                         self.start_timeout_s, self._start_stall_s)
-
-    @property
     def ps_info(self) -> list[dict]:
         """Node of each PS actor, in PS order. Blocks for one call per PS."""
         return self._wait([p.ready.remote() for p in self.ps_actors], self.ps_actors, "ps_info",
                           self.step_timeout_s)
-
-    def _broadcast_state(self) -> None:
-        import ray
-
-        state = self._wait([self.workers[0].get_state.remote()], self.workers[:1],
-                           "reading worker 0's weights", self.step_timeout_s)[0]
-        ref = ray.put(state)
-        self._wait([w.set_state.remote(ref) for w in self.workers[1:]] +
-                   [self.workers[0].set_state.remote(ref)], self.workers[1:] + self.workers[:1],
-                   "broadcasting worker 0's weights", self.step_timeout_s)
 
     # -- steps ------------------------------------------------------------------
     def step(self, fetch_stats: bool = False) -> dict | None:
@@ -254,13 +158,13 @@ class DistributedSGD:
         """
         start = time.perf_counter()
         if self.elastic:
-            self._maybe_grow()
+            recovery.maybe_grow(self)
         while True:
             try:
                 infos, applied = self._step_once()
                 break
             except actor_died_errors() as e:
-                if self._recover(e):  # the step had been applied before the failure
+                if recovery.recover(self, e):  # the step had been applied before the failure
                     infos, applied = None, [{"apply_s": 0.0}]
                     break
         skipped = infos is not None and not all(f for info in infos for f in info["finite"])
@@ -354,82 +258,6 @@ class DistributedSGD:
     def _wait(self, refs: list, owners: list, what: str, timeout_s: float) -> list:
         return self.actors.wait(refs, owners, what, timeout_s)
 
-    # -- failures ---------------------------------------------------------------
-    def _recover(self, error: BaseException) -> bool:
-        """Carry out what failures.decide says after `error`. Returns True if the
-        interrupted step had been applied (do not retry it). Raises if the policy
-        says the error is not recoverable."""
-        start = time.perf_counter()
-        probed, dead_ps = self.actors.probe(self.step_timeout_s)
-        workers = [failures.WorkerStatus(slot, info is not None,
-                                         None if info is None else info["applied_steps"])
-                   for slot, info in probed.items()]
-        dead = [w.slot for w in workers if not w.alive]
-        for slot in dead:  # frees its resources for the replacement
-            self.actors.remove_worker(slot)
-            self._info_by_slot.pop(slot, None)
-        for j in dead_ps:
-            self.actors.ps[j] = None
-        placeable = placeable_workers(self.actors.worker_options, len(dead)) if dead else 0
-        action = failures.decide(failures.Status(
-            workers, dead_ps, self.steps_done, len(self.failures) + 1, self.max_failures,
-            self.elastic, placeable, self._last_checkpoint is not None))
-        if not action.recover:
-            if not dead and not dead_ps:
-                raise error
-            raise DsgdError(f"step {self.steps_done + 1}: {action.reason}") from error
-        logger.warning("step %d: %s (%s: %s)", self.steps_done + 1, action.reason,
-                       type(error).__name__, _first_line(error))
-        self._add_workers(action.replace_workers)
-        if action.state_source is not None:
-            self._copy_state(action.state_source, action.replace_workers + action.sync_workers)
-        else:
-            self.restore_checkpoint(self._last_checkpoint)
-        if action.drop_workers:
-            logger.warning("elastic: continuing with %d worker(s); global batch is now %d "
-                           "replica batches", self.num_workers, self.num_workers * self.devices_per_worker)
-        self.failures.append({"step": self.steps_done + 1, "error": type(error).__name__,
-                              "reason": action.reason, "recovery_s": time.perf_counter() - start})
-        logger.warning("recovered in %.1f s", self.failures[-1]["recovery_s"])
-        return action.step_completed
-
-    def _add_workers(self, slots: list[int]) -> None:
-        """Start workers for `slots` (replacements, or growth back with elastic=True)
-        and any PS actor that is missing. Their state is copied by the caller."""
-        self.actors.next_generation()
-        if slots:
-            self._start_workers(slots)
-        self.num_workers = len(self.workers)
-        self._ensure_ps()
-
-    def _copy_state(self, source_slot: int, targets: list[int]) -> None:
-        """Copy worker `source_slot`'s full state (weights, optimizer state, step
-        count) to workers `targets` through the object store."""
-        if not targets:
-            return
-        source = self.actors.worker(source_slot)
-        ref = source.get_full_state.remote()
-        handles = [self.actors.worker(s) for s in targets]
-        self._wait([h.set_full_state.remote(ref) for h in handles], handles,
-                   f"copying worker {source_slot}'s state", self.step_timeout_s)
-
-    def _maybe_grow(self) -> None:
-        """elastic: start workers for missing slots when resources are back
-        (checked at most every GROW_CHECK_INTERVAL_S)."""
-        if self.num_workers >= self.target_workers or time.monotonic() < self._next_grow_check:
-            return
-        self._next_grow_check = time.monotonic() + constants.GROW_CHECK_INTERVAL_S
-        missing = [s for s in range(self.target_workers) if s not in self.actors.slots]
-        room = placeable_workers(self.actors.worker_options, len(missing))
-        if not room:
-            return
-        slots = missing[:room]
-        self._add_workers(slots)
-        self._copy_state(next(s for s in self.actors.slots if s not in slots), slots)
-        logger.warning("elastic: added worker(s) %s; %d worker(s), global batch %d replica batches",
-                       ", ".join(map(str, slots)), self.num_workers,
-                       self.num_workers * self.devices_per_worker)
-
     # -- the rest of the API ------------------------------------------------------
     def foreach_worker(self, fn: Callable[[Worker], Any]) -> list:
         """fn(worker) on every worker actor, in worker order. Blocks."""
@@ -462,30 +290,14 @@ class DistributedSGD:
         checkpoint `path` (files `path.dsgd.json` and `path.step<N>-<id>.*`),
         atomically: a crash mid-save leaves the previous checkpoint loadable.
         Blocks until the files are fsynced. Returns `path`."""
-        files = self._wait([self.workers[0].save_checkpoint.remote(self.steps_done)],
-                           self.workers[:1], "save_checkpoint", self.step_timeout_s)[0]
-        meta = {"step": self.steps_done, "num_workers": self.num_workers,
-                "devices_per_worker": self.devices_per_worker, "strategy": self.strategy,
-                "grad_shard_bytes": self.grad_shard_bytes, "all_reduce_alg": self.all_reduce_alg,
-                "on_nonfinite": self.on_nonfinite, "skipped_steps": self.skipped_steps,
-                "variables": {"shapes": [list(s) for s in self.plan.shapes],
-                              "dtypes": list(self.plan.dtypes)}}
-        checkpoint.write(path, files, meta)
-        self._last_checkpoint = path
-        return path
+        return checkpoint.save(self, path)
 
     def restore_checkpoint(self, path: str) -> None:
         """Load a checkpoint written by `save_checkpoint` into every replica (any
         number of workers). A truncated or corrupt checkpoint raises
         CheckpointError, one that does not fit the model ModelMismatchError,
         both before any replica changes."""
-        import ray
-
-        files, _ = checkpoint.read(path)
-        ref = ray.put(files)
-        steps = self._call_all("restore_checkpoint", ref)
-        self.steps_done = int(steps[0])
-        self._last_checkpoint = path
+        checkpoint.restore(self, path)
 
     def _call_all(self, method: str, *args) -> list:
         workers = list(self.workers)
@@ -502,15 +314,3 @@ class DistributedSGD:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-def _first_line(error: BaseException) -> str:
-    """The first line of an error's message, without the terminal colours Ray adds."""
-    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip().splitlines()
-    return lines[0][:200] if lines else ""
-
-
-def _describe(info: dict, k: int) -> str:
-    if k >= len(info["shapes"]):
-        return "(missing)"
-    return f"{info['names'][k]} {info['dtypes'][k]}{tuple(info['shapes'][k])}"
