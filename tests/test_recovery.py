@@ -148,6 +148,22 @@ class Blocker:
         return True
 
 
+def block_free_cpus():
+    """An actor holding every free CPU, once the per-node view that recovery
+    consults (GCS, updated by the raylet a little later) shows them taken:
+    otherwise recovery can see a stale free CPU and wait for a worker that never
+    gets placed."""
+    from dsgd.ray_private import available_resources_per_node
+
+    blocker = ray.remote(Blocker).options(num_cpus=ray.available_resources()["CPU"]).remote()
+    ray.get(blocker.ready.remote(), timeout=60)
+    deadline = time.monotonic() + 30
+    while any(free.get("CPU", 0) >= 1 for free in available_resources_per_node().values()):
+        assert time.monotonic() < deadline, "the blocker's CPUs never showed as taken"
+        time.sleep(0.1)
+    return blocker
+
+
 def test_elastic_shrinks_when_no_room_and_grows_back(monkeypatch, caplog):
     monkeypatch.setattr(constants, "GROW_CHECK_INTERVAL_S", 0.0)
     caplog.set_level(logging.WARNING, logger="dsgd")
@@ -158,8 +174,7 @@ def test_elastic_shrinks_when_no_room_and_grows_back(monkeypatch, caplog):
         deadline = time.monotonic() + 60  # the dead worker's CPU returns to the pool
         while ray.available_resources().get("CPU", 0) < free - 1 and time.monotonic() < deadline:
             time.sleep(0.2)
-        blocker = ray.remote(Blocker).options(num_cpus=ray.available_resources()["CPU"]).remote()
-        ray.get(blocker.ready.remote(), timeout=60)
+        blocker = block_free_cpus()
         try:
             stats = sgd.step(fetch_stats=True)
             assert stats["num_workers"] == 1 and stats["step"] == 2
@@ -185,8 +200,7 @@ def test_no_room_without_elastic_names_the_option():
         deadline = time.monotonic() + 60
         while ray.available_resources().get("CPU", 0) < free - 1 and time.monotonic() < deadline:
             time.sleep(0.2)
-        blocker = ray.remote(Blocker).options(num_cpus=ray.available_resources()["CPU"]).remote()
-        ray.get(blocker.ready.remote(), timeout=60)
+        blocker = block_free_cpus()
         try:
             with pytest.raises(dsgd.DsgdError, match="no free resources.*elastic=True"):
                 sgd.step()
