@@ -107,12 +107,19 @@ def proc_stat(pid: int) -> tuple[float, int]:
 
 
 def raylet_pid() -> int | None:
-    try:
-        from ray._private import ray_constants, worker
-
-        return worker._global_node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
-    except (AttributeError, KeyError, IndexError):
-        return None
+    """The pid of this benchmark's raylet: the process named `raylet` whose
+    parent is this process (ray.init(address="local") starts it), from /proc."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                name, rest = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        if name.endswith("(raylet") and int(rest.split()[1]) == os.getpid():
+            return int(entry)
+    return None
 
 
 def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables):

@@ -205,7 +205,7 @@ class ActorSet:
 def placeable_workers(options: dict, want: int) -> int:
     """How many more workers with Ray `options` fit in the resources available now
     (each worker's CPUs and GPUs on one node). Blocks for one GCS call."""
-    from ray._private.state import available_resources_per_node
+    from dsgd.ray_private import available_resources_per_node
 
     cpu, gpu = options.get("num_cpus", 1), options.get("num_gpus", 0)
     fit = 0

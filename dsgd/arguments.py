@@ -76,13 +76,12 @@ def check_store(plan, num_workers: int) -> None:
     """Fail fast when the object store cannot hold one step's objects: every
     worker's gradient shards plus the mean shards are alive at once."""
     import ray
-    from ray._private.state import total_resources_per_node
 
     if num_workers == 1:
         return  # one worker exchanges nothing through the store
     grad_bytes = sum(s.nbytes for s in plan.shards)
     need = (num_workers + 1) * grad_bytes
-    stores = [r.get("object_store_memory", 0) for r in total_resources_per_node().values()]
+    stores = [n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n.get("Alive")]
     have = sum(stores) or ray.cluster_resources().get("object_store_memory", 0)
     largest = max(s.nbytes for s in plan.shards)
     if need <= have and largest <= min(stores or [have]):

@@ -1,7 +1,7 @@
 """Object-store accounting: how much of Ray's shared-memory store is in use.
 
 Used by the leak tests and benchmarks. It reads the raylets' memory stats
-through Ray's internal API (the same call `ray memory --stats-only` makes).
+(what `ray memory --stats-only` prints), a private Ray API: see dsgd/ray_private.py.
 """
 
 from __future__ import annotations
@@ -10,13 +10,9 @@ from __future__ import annotations
 def usage(timeout_s: float = 30.0) -> dict:
     """{"bytes_used": int, "num_objects": int} summed over the cluster's object
     stores (primary copies and secondary copies alike). Blocks for one RPC."""
-    import ray
-    from ray._private import internal_api
+    from dsgd import ray_private
 
-    state = internal_api.get_state_from_address(ray.get_runtime_context().gcs_address)
-    reply = internal_api.get_memory_info_reply(state, timeout_seconds=timeout_s)
-    return {"bytes_used": int(reply.store_stats.object_store_bytes_used),
-            "num_objects": int(reply.store_stats.num_local_objects)}
+    return ray_private.object_store_stats(timeout_s)
 
 
 def drained_usage(timeout_s: float = 60.0, interval_s: float = 0.1) -> dict:

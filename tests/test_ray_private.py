@@ -1,0 +1,54 @@
+"""The private Ray APIs dsgd relies on (dsgd/ray_private.py) still answer as
+dsgd expects on the installed Ray; a Ray upgrade that changes one fails here,
+and in dsgd, loudly, naming the call."""
+
+import numpy as np
+import pytest
+import ray
+
+import dsgd
+from dsgd import ray_private
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_available_resources_per_node_matches_the_public_totals():
+    per_node = ray_private.available_resources_per_node()
+    alive = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    assert set(per_node) == set(alive)
+    for node_id, free in per_node.items():
+        assert 0 <= free.get("CPU", 0) <= alive[node_id]["CPU"]
+        assert free.get("object_store_memory", 0) <= alive[node_id]["object_store_memory"]
+    # Nothing runs between the two calls in this test: the sum is the public total.
+    assert sum(free.get("CPU", 0) for free in per_node.values()) == \
+        ray.available_resources().get("CPU", 0)
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_object_store_stats_count_a_stored_object():
+    before = dsgd.store.drained_usage()
+    ref = ray.put(np.ones(2**20, np.uint8))  # 1 MiB: above the inline limit, in the store
+    during = ray_private.object_store_stats()
+    assert during["num_objects"] >= before["num_objects"] + 1
+    assert during["bytes_used"] >= before["bytes_used"] + 2**20
+    del ref
+    assert dsgd.store.drained_usage() == before
+
+
+def test_a_missing_private_call_is_a_loud_error_naming_it(monkeypatch):
+    import ray._private.state
+
+    monkeypatch.delattr(ray._private.state, "available_resources_per_node")
+    with pytest.raises(dsgd.DsgdError, match=r"ray\._private\.state\.available_resources_per_node"
+                                             r"\(\) failed or changed under Ray 2\.\d+"):
+        ray_private.available_resources_per_node()
+
+
+def test_a_changed_answer_is_a_loud_error(monkeypatch):
+    import ray._private.state
+
+    monkeypatch.setattr(ray._private.state, "available_resources_per_node", lambda: [1, 2])
+    with pytest.raises(dsgd.DsgdError, match=r"expected a dict of node id -> dict of resources, "
+                                             r"got \[1, 2\]"):
+        ray_private.available_resources_per_node()
