@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 import dsgd
-from dsgd.examples.progress import Progress
+from dsgd import progress
 
 TEST_PER_CLASS = 100
 
@@ -117,17 +117,18 @@ def main(argv=None) -> dict:
 
     with dsgd.DistributedSGD(creator, args.num_workers, args.devices_per_worker, gpu=args.gpu,
                              strategy=args.strategy) as sgd:
-        progress = Progress(args.steps, every=25)
         train_s, loss, first_loss = 0.0, float("nan"), None
-        for step in range(1, args.steps + 1):
-            stats = sgd.step(fetch_stats=True)
-            train_s += stats["step_s"]
-            loss = stats["loss"]
-            first_loss = loss if first_loss is None else first_loss
-            progress.update(step, loss=loss)
-            if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-                progress.write(f"step {step}: test accuracy {evaluate(sgd):.4f} "
-                               f"(all {num_replicas} replicas agree)")
+        with progress.bar(args.steps, "training") as bar:
+            for step in range(1, args.steps + 1):
+                stats = sgd.step(fetch_stats=True)
+                train_s += stats["step_s"]
+                loss = stats["loss"]
+                first_loss = loss if first_loss is None else first_loss
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                bar.update()
+                if args.eval_every and step % args.eval_every == 0 and step != args.steps:
+                    progress.write(f"step {step}: loss {loss:.4f}, test accuracy "
+                                   f"{evaluate(sgd):.4f} (all {num_replicas} replicas agree)")
         accuracy = evaluate(sgd)
     result = {
         "test_accuracy": accuracy, "first_loss": first_loss, "final_loss": loss, "steps": args.steps,
