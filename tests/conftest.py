@@ -17,6 +17,20 @@ from ray import cloudpickle  # noqa: E402
 
 cloudpickle.register_pickle_by_value(tiny)
 
+
+def split_driver_cpu(num_devices: int = 2) -> None:
+    """Give this (the pytest) process `num_devices` logical CPU devices, as a
+    worker with devices_per_worker=2 has, so that replicas can be built in-process
+    (tests without a cluster). Must run before TensorFlow initialises its devices."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num_devices)])
+
+
+split_driver_cpu()
+
 # 4 logical CPUs on a 2-core machine: 2 workers (1 CPU each) plus room; PS actors take none.
 LOCAL_CPUS = 4
 OBJECT_STORE_BYTES = 256 * 2**20

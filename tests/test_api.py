@@ -87,6 +87,7 @@ def test_checkpoint_round_trip_to_other_worker_count(sgd2x2, tmp_path):
     assert int(saved_opt[0]) == saved_step  # Adam's iteration count
     sgd2x2.step()
     with dsgd.DistributedSGD(tiny.creator(2, 4, "adam"), 1, 2, gpu=False) as other:
+        suffix = other._suffix
         other.restore_checkpoint(path)
         assert other.steps_done == saved_step
         for weights in other.foreach_model(lambda m: m.get_weights()):
@@ -95,6 +96,8 @@ def test_checkpoint_round_trip_to_other_worker_count(sgd2x2, tmp_path):
         for state in optimizer_state(other):
             for a, b in zip(state, saved_opt):
                 np.testing.assert_array_equal(a, b)
+    # Leaving the `with` block killed its actors.
+    assert wait_until(lambda: not [n for n in dsgd_actor_names() if n.endswith(suffix)])
     # ... and a plain Keras model reads the weights with TensorFlow alone.
     import tensorflow as tf
 
@@ -114,21 +117,16 @@ class WideModel(tiny.TinyModel):
 
 
 def test_mismatched_checkpoint_changes_nothing(sgd2x2, tmp_path):
+    # A checkpoint of another model, written in-process by the code a worker runs.
     path = str(tmp_path / "wide")
-    with dsgd.DistributedSGD(WideModel, 1, 1, gpu=False) as wide:
-        wide.save_checkpoint(path)
+    wide = WideModel(0, 0)
+    wide.optimizer.build(wide.get_variables())
+    dsgd.checkpoint.write(path, dsgd.checkpoint.save_files(wide, wide.optimizer, 0), {"step": 0})
     before = sgd2x2.get_weights()
     with pytest.raises(dsgd.ModelMismatchError, match=r"weights\[0\] has shape \(5, 9\)"):
         sgd2x2.restore_checkpoint(path)
     for a, b in zip(sgd2x2.get_weights(), before):
         np.testing.assert_array_equal(a, b)
-
-
-def test_context_manager_kills_actors():
-    with dsgd.DistributedSGD(tiny.creator(1, 4), 1, 1, gpu=False) as sgd:
-        suffix = sgd._suffix
-        sgd.step()
-    assert wait_until(lambda: not [n for n in dsgd_actor_names() if n.endswith(suffix)])
 
 
 def test_keras_model_on_tf_data_learns():

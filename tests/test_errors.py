@@ -6,6 +6,10 @@ import ray
 
 import dsgd
 import tiny
+from dsgd.arguments import check_store
+from dsgd.launch import check_signatures
+from dsgd.replicas import Replicas
+from dsgd.sharding import plan_shards
 
 GOOD = dict(model_creator=tiny.creator(1, 4), num_workers=1, devices_per_worker=1, gpu=False)
 
@@ -56,35 +60,46 @@ class TestOnCluster:
             dsgd.DistributedSGD(exploding_creator, 2, 1, gpu=False)
         assert "exploding_creator" in str(info.value)
 
-    def test_model_creator_must_return_a_model(self):
-        with pytest.raises(TypeError, match=r"model_creator\(0, 0\) must return a dsgd.Model, got str"):
-            dsgd.DistributedSGD(lambda w, d: "model", 1, 1, gpu=False)
 
-    def test_replicas_with_different_shapes_in_one_worker(self):
-        def creator(w, d):
-            return tiny.TinyModel(w, d, 2, 4) if d == 0 else WideReplica(w, d)
+# Replicas are built and checked the same way in a worker and in-process: these run
+# in-process (conftest gives this process 2 logical CPU devices). That a worker's
+# error reaches the driver with its traceback is tested on the cluster above.
+def build_replicas(creator, devices_per_worker, worker_index=0):
+    return Replicas(creator, worker_index, devices_per_worker, False, "simple").setup()
 
-        with pytest.raises(dsgd.ModelMismatchError,
-                           match=r"worker 0: replica 1: variable 0 .* is float32\(5, 9\) but replica 0's"):
-            dsgd.DistributedSGD(creator, 1, 2, gpu=False)
 
-    def test_workers_with_different_shapes(self):
-        def creator(w, d):
-            return tiny.TinyModel(w, d, 1, 4) if w == 0 else WideReplica(w, d)
+def test_model_creator_must_return_a_model():
+    with pytest.raises(TypeError, match=r"model_creator\(0, 0\) must return a dsgd.Model, got str"):
+        build_replicas(lambda w, d: "model", 1)
 
-        with pytest.raises(dsgd.ModelMismatchError, match=r"worker 1's replicas .* variable 0"):
-            dsgd.DistributedSGD(creator, 2, 1, gpu=False)
 
-    def test_replicas_sharing_one_model(self):
-        shared = {}
+def test_replicas_with_different_shapes_in_one_worker():
+    def creator(w, d):
+        return tiny.TinyModel(w, d, 2, 4) if d == 0 else WideReplica(w, d)
 
-        def creator(w, d):
-            if "model" not in shared:
-                shared["model"] = tiny.TinyModel(w, d, 2, 4)
-            return shared["model"]
+    with pytest.raises(dsgd.ModelMismatchError,
+                       match=r"worker 0: replica 1: variable 0 .* is float32\(5, 9\) but replica 0's"):
+        build_replicas(creator, 2)
 
-        with pytest.raises(dsgd.ModelMismatchError, match="shares variable 0"):
-            dsgd.DistributedSGD(creator, 1, 2, gpu=False)
+
+def test_workers_with_different_shapes():
+    infos = [build_replicas(lambda w, d: tiny.TinyModel(w, d, 1, 4), 1),
+             build_replicas(WideReplica, 1, worker_index=1)]
+    with pytest.raises(dsgd.ModelMismatchError, match=r"worker 1's replicas .* variable 0"):
+        check_signatures(infos)
+    check_signatures([infos[0], infos[0]])  # equal signatures pass
+
+
+def test_replicas_sharing_one_model():
+    shared = {}
+
+    def creator(w, d):
+        if "model" not in shared:
+            shared["model"] = tiny.TinyModel(w, d, 2, 4)
+        return shared["model"]
+
+    with pytest.raises(dsgd.ModelMismatchError, match="shares variable 0"):
+        build_replicas(creator, 2)
 
 
 class NanAt(tiny.TinyModel):
@@ -145,30 +160,16 @@ def test_nonfinite_gradient_skipped(workers, devices):
         assert all(np.isfinite(w).all() for w in sgd.get_weights())
 
 
-class HugeModel(dsgd.Model):
-    """128 MiB of gradients: 2 workers need 3 x 128 MiB of store per step."""
-
-    def __init__(self, worker_index, device_index):
-        import keras
-
-        self.model = keras.Sequential([keras.Input((8192,)), keras.layers.Dense(4096, use_bias=False)])
-        self.optimizer = keras.optimizers.SGD(0.1)
-
-    def get_loss(self, batch):
-        import tensorflow as tf
-
-        return tf.reduce_mean(self.model(tf.ones((1, 8192))))
-
-    def get_optimizer(self):
-        return self.optimizer
-
-
 @pytest.mark.cluster
 @pytest.mark.usefixtures("ray_local")
-def test_object_store_too_small_is_named_before_any_step():
+def test_object_store_too_small_is_named():
+    # The check DistributedSGD runs once the workers have reported their variables,
+    # before any step: here for 128 MiB of gradients, 2 workers, the test cluster's store.
+    plan = plan_shards([(8192, 4096)], ["float32"], 50_000_000)
     with pytest.raises(dsgd.ResourceError, match=r"object store is too small: one step with 2 "
                        r"workers holds 3 x 134.2 MB.*object_store_memory is 268.4 MB"):
-        dsgd.DistributedSGD(HugeModel, 2, 1, gpu=False, grad_shard_bytes=50_000_000)
+        check_store(plan, 2)
+    check_store(plan_shards([(1024, 1024)], ["float32"], 50_000_000), 2)  # 3 x 4 MiB fits
 
 
 class WideReplica(tiny.TinyModel):

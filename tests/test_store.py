@@ -38,29 +38,49 @@ class MidModel(dsgd.Model):
         return self.batch
 
 
-@pytest.mark.parametrize("strategy", ["ps", "simple"])
-def test_store_usage_is_flat_over_1000_steps(strategy):
-    with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy=strategy,
-                             grad_shard_bytes=140_000) as sgd:
-        shards = sgd.plan.shards
-        assert all(s.nbytes > 100_000 for s in shards) or strategy == "simple"
-        # Per step: one object per shard group from every worker, plus one mean per group.
-        objects_per_step = (sgd.num_workers + 1) * len(sgd.shard_groups)
-        for _ in range(10):
-            sgd.step()
-        after_10 = store.drained_usage()
-        peak = 0
-        for i in range(990):
-            sgd.step()
-            if i % 100 == 99:
-                peak = max(peak, store.usage()["num_objects"])
-        after_1000 = store.drained_usage()
-        assert sgd.steps_done == 1000
+def train_1000_steps(sgd, kill_at=()):
+    """10 steps, the drained store usage, 990 more (killing, before step 10 + i
+    for i in `kill_at`, a worker then PS actors), the peak object count while
+    training and the drained usage at the end."""
+    objects_per_step = (sgd.num_workers + 1) * len(sgd.shard_groups)
+    for _ in range(10):
+        sgd.step()
+    after_10 = store.drained_usage()
+    peak = 0
+    for i in range(990):
+        if i in kill_at:
+            victim = sgd.workers[1] if i == kill_at[0] else sgd.ps_actors[0]
+            os.kill(ray.get(victim.ping.remote(), timeout=60)["pid"], signal.SIGKILL)
+        sgd.step()
+        if i % 100 == 99:
+            peak = max(peak, store.usage()["num_objects"])
+    after_1000 = store.drained_usage()
+    assert sgd.steps_done == 1000
     # While training, only the last few steps' objects are in the store (Ray frees
     # in batches, measured ~8 steps behind at 60 ms/step); a leak would hold ~990 steps' ...
     assert peak <= 20 * objects_per_step, (peak, objects_per_step)
     # ... and when nobody holds a reference, everything is freed, after 10 steps as after 1000.
     assert after_1000 == after_10 == {"bytes_used": 0, "num_objects": 0}, (after_10, after_1000)
+
+
+def test_ps_store_usage_is_flat_over_1000_steps_with_failures_in_between():
+    """Also: every worker and PS actor warmed its store mapping, replacements too."""
+    with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy="ps", grad_shard_bytes=140_000,
+                             step_timeout_s=120) as sgd:
+        assert sgd.plan.num_shards == 4 and all(s.nbytes > 100_000 for s in sgd.plan.shards)
+        want = store.warm_bytes(sgd.plan, 2)
+        assert want == 8 * 3 * sum(s.nbytes for s in sgd.plan.shards)
+        train_1000_steps(sgd, kill_at=(300, 600))  # a worker, then a PS actor
+        assert len(sgd.failures) == 2
+        assert sgd.foreach_worker(lambda w: w.warmed_store_bytes) == [want, want]
+        ps = ray.get([p.__ray_call__.remote(lambda p: p.warmed_store_bytes)
+                      for p in sgd.ps_actors], timeout=60)
+        assert ps == [want] * len(sgd.ps_actors)
+
+
+def test_simple_store_usage_is_flat_over_1000_steps():
+    with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy="simple") as sgd:
+        train_1000_steps(sgd)
 
 
 def test_warm_faults_in_the_store_mapping_without_touching_data():
@@ -93,30 +113,6 @@ def test_warm_bytes_covers_8_steps_up_to_a_bound():
     assert store.warm_bytes(huge, 4) == constants.STORE_WARM_MAX_BYTES
 
 
-def test_actors_warm_their_store_mapping():
-    with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy="ps",
-                             grad_shard_bytes=140_000) as sgd:
-        want = store.warm_bytes(sgd.plan, 2)
-        assert want == 8 * 3 * sum(s.nbytes for s in sgd.plan.shards)
-        assert sgd.foreach_worker(lambda w: w.warmed_store_bytes) == [want, want]
-        ps = ray.get([p.__ray_call__.remote(lambda p: p.warmed_store_bytes)
-                      for p in sgd.ps_actors], timeout=60)
-        assert ps == [want] * len(sgd.ps_actors)
-    with dsgd.DistributedSGD(MidModel, 1, 1, gpu=False) as sgd:  # one worker: no exchange
+def test_one_worker_warms_nothing():
+    with dsgd.DistributedSGD(MidModel, 1, 1, gpu=False) as sgd:  # no exchange, no store use
         assert sgd.foreach_worker(lambda w: w.warmed_store_bytes) == [0]
-
-
-def test_store_usage_is_flat_with_failures_in_between():
-    with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy="ps", grad_shard_bytes=140_000,
-                             step_timeout_s=120) as sgd:
-        for _ in range(10):
-            sgd.step()
-        after_10 = store.drained_usage()
-        for i in range(990):
-            if i in (300, 600):  # a worker, then a PS actor, killed between steps
-                victim = sgd.workers[1] if i == 300 else sgd.ps_actors[0]
-                os.kill(ray.get(victim.ping.remote(), timeout=60)["pid"], signal.SIGKILL)
-            sgd.step()
-        after_1000 = store.drained_usage()
-        assert sgd.steps_done == 1000 and len(sgd.failures) == 2
-    assert after_1000 == after_10 == {"bytes_used": 0, "num_objects": 0}, (after_10, after_1000)
