@@ -10,6 +10,7 @@ _installation.check_compiled(_os.path.dirname(_os.path.abspath(__file__)))
 
 from dsgd.errors import (CheckpointError, DsgdError, ModelMismatchError, NonFiniteError,
                          ResourceError, StepTimeoutError)
+from dsgd.data import Dataset
 from dsgd.model import KerasModel, Model
 from dsgd.sgd import DistributedSGD
 
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DistributedSGD",
+    "Dataset",
     "Model",
     "KerasModel",
     "DsgdError",

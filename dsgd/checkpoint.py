@@ -203,7 +203,9 @@ def read(path: str) -> tuple[dict[str, bytes], dict]:
 
 def save(sgd, path: str) -> str:
     """(driver side) `DistributedSGD.save_checkpoint`: worker 0 / replica 0's
-    state, written by the driver as the checkpoint `path`. Blocks."""
+    state, written by the driver as the checkpoint `path`, with the position in
+    the dataset last trained on (`train(dataset=...)` of a Python iterable).
+    Blocks."""
     files = sgd._wait([sgd.workers[0].save_checkpoint.remote(sgd.steps_done)],
                       sgd.workers[:1], "save_checkpoint", sgd.step_timeout_s)[0]
     meta = {"step": sgd.steps_done, "num_workers": sgd.num_workers,
@@ -212,6 +214,9 @@ def save(sgd, path: str) -> str:
             "on_nonfinite": sgd.on_nonfinite, "skipped_steps": sgd.skipped_steps,
             "variables": {"shapes": [list(s) for s in sgd.plan.shapes],
                           "dtypes": list(sgd.plan.dtypes)}}
+    feed = sgd.last_feed
+    if getattr(feed, "position", None) is not None:
+        meta["data_position"] = int(feed.position)  # rows of the last dataset trained on
     write(path, files, meta)
     sgd._last_checkpoint = path
     return path
@@ -219,11 +224,15 @@ def save(sgd, path: str) -> str:
 
 def restore(sgd, path: str) -> None:
     """(driver side) `DistributedSGD.restore_checkpoint`: the checked files,
-    shipped once through the object store to every worker. Blocks."""
+    shipped once through the object store to every worker, and the data
+    position, if saved, given to the dataset last trained on. Blocks."""
     import ray
 
-    files, _ = read(path)
+    files, meta = read(path)
     ref = ray.put(files)
     steps = sgd._call_all("restore_checkpoint", ref)
     sgd.steps_done = int(steps[0])
     sgd._last_checkpoint = path
+    feed = sgd.last_feed
+    if "data_position" in meta and getattr(feed, "position", None) is not None:
+        feed.position = int(meta["data_position"])

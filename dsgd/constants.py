@@ -48,3 +48,10 @@ PS_NAME_PREFIX = "dsgd-ps-"
 # process (Ray's worker lowers its own priority at start-up; at 0 it simply
 # does not, so no privilege is needed). Merged with the job's runtime_env env_vars by Ray.
 ACTOR_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
+
+# dsgd.Dataset of a Python iterable: examples per object-store block (one download
+# task makes one block): batch_size, but at most this many.
+DATA_BLOCK_MAX_ROWS = 256
+# DistributedSGD.train keeps the feeds (and the workers' data loaders, e.g. Ray Data
+# split iterators) of this many most recently used datasets.
+DATA_FEEDS_KEPT = 4

@@ -48,6 +48,12 @@ class Model:
         """Optional evaluation, run eagerly on request; default: no metrics."""
         return {}
 
+    def steps_per_epoch(self) -> int | None:
+        """Optional: steps in one pass over this replica's own data (`get_batch`),
+        so that `DistributedSGD.train()` without a dataset runs one epoch by
+        default. Default None (unknown)."""
+        return None
+
     def get_weights(self) -> list[np.ndarray]:
         """Copies of the trainable variables' values, in `get_variables()` order."""
         return [np.array(v.numpy()) for v in self.get_variables()]
@@ -75,17 +81,20 @@ class KerasModel(Model):
             so every replica has its own.
         dataset: yields `(x, y)` batches (the per-replica batch size is the
             dataset's); repeated forever. Shard it by `(worker_index, device_index)`
-            so replicas see different data.
+            so replicas see different data. None: batches come only from
+            `DistributedSGD.train(dataset=...)` (then `model` must be built,
+            e.g. start it with `keras.Input`).
     """
 
-    def __init__(self, model, loss_fn, optimizer, dataset):
+    def __init__(self, model, loss_fn, optimizer, dataset=None):
         import keras
         import tensorflow as tf
 
         if not isinstance(model, keras.Model):
             raise TypeError(f"KerasModel: `model` must be a keras.Model, got {type(model).__name__}")
-        if not isinstance(dataset, tf.data.Dataset):
-            raise TypeError(f"KerasModel: `dataset` must be a tf.data.Dataset, got {type(dataset).__name__}")
+        if dataset is not None and not isinstance(dataset, tf.data.Dataset):
+            raise TypeError("KerasModel: `dataset` must be a tf.data.Dataset or None, got "
+                            f"{type(dataset).__name__}")
         self.model = model
         self.loss_fn = keras.losses.get(loss_fn) if isinstance(loss_fn, str) else loss_fn
         if not callable(self.loss_fn):
@@ -94,6 +103,9 @@ class KerasModel(Model):
         self.dataset = dataset
         self._iterator = None
         if not model.built:
+            if dataset is None:
+                raise ValueError("KerasModel: without a dataset the model must be built "
+                                 "(start it with keras.Input, or call model.build)")
             spec = dataset.element_spec
             x_spec = spec[0] if isinstance(spec, (tuple, list)) else spec
             model.build(tuple(x_spec.shape))
@@ -112,9 +124,19 @@ class KerasModel(Model):
         return self.optimizer
 
     def get_batch(self):
+        if self.dataset is None:
+            raise ValueError("KerasModel has no dataset of its own: pass one to KerasModel, or "
+                             "train with DistributedSGD.train(dataset=...)")
         if self._iterator is None:
             self._iterator = iter(self.dataset.repeat())
         return next(self._iterator)
+
+    def steps_per_epoch(self) -> int | None:
+        """Batches in one pass over the dataset, when TensorFlow knows it."""
+        if self.dataset is None:
+            return None
+        n = int(self.dataset.cardinality())
+        return n if n >= 0 else None
 
 
 def _name(variable) -> str:

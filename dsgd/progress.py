@@ -12,8 +12,8 @@ def bar(total: int | None, desc: str, unit: str = "step", **kwargs):
     unit done and `set_postfix(...)` for live numbers such as the loss."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None,
-                dynamic_ncols=True, **kwargs)
+    kwargs.setdefault("disable", None)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, **kwargs)
 
 
 def write(message: str) -> None:

@@ -100,16 +100,18 @@ class Replicas:
         self._compute_fn = tf.function(self._compute_graph, reduce_retracing=True)
         self._apply_fn = tf.function(self._apply_graph, reduce_retracing=True)
 
-    def local_step(self):
-        """Next batches -> gradients -> local mean -> apply, in one compiled call
-        (with on_nonfinite="skip", nothing is applied if any replica's gradient
-        is not finite). Returns (losses: float32 [D], finite: bool [D])."""
-        return self._local_step_fn(self.next_batches())
+    def local_step(self, batches: list | None = None):
+        """Batches (one per replica; None: each replica's `get_batch()`) ->
+        gradients -> local mean -> apply, in one compiled call (with
+        on_nonfinite="skip", nothing is applied if any replica's gradient is not
+        finite). Returns (losses: float32 [D], finite: bool [D])."""
+        return self._local_step_fn(self._tensors(batches))
 
-    def compute(self):
-        """Next batches -> gradients -> local mean, in one compiled call. Returns
-        (losses [D], finite [D], the mean gradient of every variable, flattened)."""
-        return self._compute_fn(self.next_batches())
+    def compute(self, batches: list | None = None):
+        """Batches (as for `local_step`) -> gradients -> local mean, in one
+        compiled call. Returns (losses [D], finite [D], the mean gradient of every
+        variable, flattened)."""
+        return self._compute_fn(self._tensors(batches))
 
     def shard_pieces(self, flat_grads) -> list[tuple[np.ndarray, ...]]:
         """For each shard of the plan, its pieces as numpy views of the gradient
@@ -198,13 +200,19 @@ class Replicas:
         self._apply_means([grads] * len(self.replicas))
 
     def next_batches(self) -> list:
+        """Each replica's `get_batch()` (eager Python, once per step)."""
+        return [replica.get_batch() for replica in self.replicas]
+
+    def _tensors(self, batches: list | None) -> list:
         import tensorflow as tf
 
-        batches = []
-        for replica in self.replicas:
-            batch = replica.get_batch()
-            batches.append(None if batch is None else tf.nest.map_structure(tf.convert_to_tensor, batch))
-        return batches
+        if batches is None:
+            batches = self.next_batches()
+        if len(batches) != len(self.replicas):
+            raise DsgdError(f"worker {self.worker_index}: {len(batches)} batches for "
+                            f"{len(self.replicas)} replicas")
+        return [None if b is None else tf.nest.map_structure(tf.convert_to_tensor, b)
+                for b in batches]
 
 
 def _finite_flags(grads, gpu: bool) -> list:

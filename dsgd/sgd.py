@@ -12,10 +12,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from dsgd import checkpoint, constants, launch, ops, recovery
+from dsgd import checkpoint, constants, launch, ops, recovery, training
 from dsgd.actors import ActorSet, actor_died_errors
 from dsgd.arguments import check_args, check_resources
-from dsgd.errors import NonFiniteError
+from dsgd.errors import DsgdError, NonFiniteError
 from dsgd.model import Model
 from dsgd.param_server import mean_shard, split_group
 from dsgd.worker import Worker
@@ -104,6 +104,9 @@ class DistributedSGD:
         self._last_checkpoint: str | None = None
         self._next_grow_check = 0.0
         self._suffix = uuid.uuid4().hex[:6]
+        self.membership = 0       # bumped whenever workers are replaced or added
+        self._feeds = {}          # data feeds by key (dsgd/training.py), most recent last
+        self.last_feed = None     # the feed of the last step trained from a dataset
         check_resources(num_workers, devices_per_worker, gpu, num_cpus_per_worker)
         options = {"num_cpus": num_cpus_per_worker, "scheduling_strategy": "SPREAD"}
         if gpu:
@@ -157,21 +160,7 @@ class DistributedSGD:
         `num_workers` and `failures` (failures recovered so far).
         """
         start = time.perf_counter()
-        if self.elastic:
-            recovery.maybe_grow(self)
-        while True:
-            try:
-                infos, applied = self._step_once()
-                break
-            except actor_died_errors() as e:
-                if recovery.recover(self, e):  # the step had been applied before the failure
-                    infos, applied = None, [{"apply_s": 0.0}]
-                    break
-        skipped = infos is not None and not all(f for info in infos for f in info["finite"])
-        if skipped:
-            self.skipped_steps += 1
-        else:
-            self.steps_done += 1
+        infos, applied, skipped = self._run_step()
         if not fetch_stats:
             return None
         step_s = time.perf_counter() - start
@@ -184,16 +173,68 @@ class DistributedSGD:
                 "skipped_steps": self.skipped_steps, "num_workers": self.num_workers,
                 "failures": len(self.failures)}
 
-    def _step_once(self):
+    def train(self, num_steps: int | None = None, dataset=None) -> dict:
+        """Run `num_steps` steps, each replica's `get_loss(batch)` getting its batch
+        from `dataset` (a `dsgd.Dataset`; `get_batch` is not called), or, without
+        a dataset, from the replicas' own `get_batch()`. Default `num_steps`: one
+        epoch of the dataset (of the replicas' data if their `steps_per_epoch()`
+        says). A dataset continues where the last `train` on it stopped. Blocks;
+        shows a progress bar when stderr is a terminal. See dsgd/training.py for
+        the summary it returns (`loss`, `steps`, `num_samples`, ...)."""
+        return training.train(self, num_steps, dataset)
+
+    def _run_step(self, feed=None):
+        """One step, with recovery from actor deaths; with `feed` (dsgd/data/feeds.py),
+        on its batches. Returns (infos, applied, skipped): infos None if the step
+        had been applied before a failure interrupted it; applied [] and every
+        info {"epoch_end": True} if the feed's epoch ended instead."""
+        if self.elastic:
+            recovery.maybe_grow(self)
+        while True:
+            data = self._feed_args(feed)
+            try:
+                infos, applied = self._step_once(data)
+                break
+            except actor_died_errors() as e:
+                if recovery.recover(self, e):  # the step had been applied before the failure
+                    infos, applied = None, [{"apply_s": 0.0}]
+                    break
+        if infos is not None and infos[0].get("epoch_end"):
+            return infos, [], False
+        skipped = infos is not None and not all(f for info in infos for f in info["finite"])
+        if skipped:
+            self.skipped_steps += 1
+        else:
+            self.steps_done += 1
+        if feed is not None:
+            feed.advance(self)
+        return infos, applied, skipped
+
+    def _feed_args(self, feed) -> list:
+        """Each worker's data argument for the next step (None: get_batch), after
+        sending the workers `feed`'s loaders if it is new to them or workers changed."""
+        if feed is None:
+            return [None] * self.num_workers
+        if feed.attached_membership != self.membership:
+            workers = list(self.workers)
+            self._wait([w.attach_data.remote(feed.key, loader)
+                        for w, loader in zip(workers, feed.loaders(self))], workers,
+                       "attaching data loaders", self.step_timeout_s)
+            feed.attached_membership = self.membership
+        self.last_feed = feed
+        return [(feed.key, arg) for arg in feed.step_args(self)]
+
+    def _step_once(self, data: list):
         label = f"step {self.steps_done + 1}"
         if self.num_workers == 1:
-            infos = self._wait([self.workers[0].local_step.remote()], self.workers, label,
+            infos = self._wait([self.workers[0].local_step.remote(data[0])], self.workers, label,
                                self.step_timeout_s)
-            self._check_finite(infos)
+            if not infos[0].get("epoch_end"):
+                self._check_finite(infos)
             return infos, [{"apply_s": 0.0}]
-        return self._exchange_step(label)
+        return self._exchange_step(label, data)
 
-    def _exchange_step(self, label: str):
+    def _exchange_step(self, label: str, data: list):
         """Workers stream their shards, one object per shard group (sharding.group_shards);
         a group's PS is called as soon as every worker has written it, so summing
         overlaps with writing the next group."""
@@ -201,12 +242,18 @@ class DistributedSGD:
 
         start = time.perf_counter()
         workers = list(self.workers)
-        streams = [w.compute.options(num_returns="streaming").remote(self.shard_groups)
-                   for w in workers]
+        streams = [w.compute.options(num_returns="streaming").remote(self.shard_groups, d)
+                   for w, d in zip(workers, data)]
         info_refs = self.actors.next_all(streams, workers, f"{label}: computing gradients",
                                          self._time_left(start))
         infos = self._wait(info_refs, workers, f"{label}: computing gradients",
                            self._time_left(start))
+        ended = [i for i, info in enumerate(infos) if info.get("epoch_end")]
+        if ended:
+            if len(ended) < len(infos):
+                raise DsgdError(f"{label}: the data of worker(s) {ended} ended its epoch before "
+                                "the others': every worker's share must have as many batches")
+            return infos, []
         if not self._check_finite(infos):
             return infos, [{"apply_s": 0.0}]  # skipped: the streams' shards are dropped
         mean_refs = []

@@ -3,7 +3,9 @@
 The driver wraps `Worker` with `ray.remote`; it only executes what the driver
 asks. Call order: `setup()` once, `configure(plan)` once, then per step either
 `local_step()` (one worker: no exchange) or `compute(groups)` then
-`apply(groups, *group_means)`.
+`apply(groups, *group_means)`. A step's batches come from each replica's
+`get_batch()`, or, when the driver passes `data`, from the loader that
+`attach_data` installed (a `dsgd.Dataset`'s; see dsgd/data/feeds.py).
 
 `applied_steps` counts the steps this worker has applied; the driver reads it
 (`ping`) after a failure to tell whether the interrupted step was applied.
@@ -29,6 +31,7 @@ class Worker:
         self.worker_index = worker_index
         self.applied_steps = 0
         self._gc_frozen = False
+        self._loaders: dict = {}  # data feed key -> loader (dsgd/data/feeds.py)
         self.replicas = Replicas(model_creator, worker_index, devices_per_worker, gpu,
                                  all_reduce_alg)
 
@@ -68,31 +71,64 @@ class Worker:
 
         return {"applied_steps": self.applied_steps, "pid": os.getpid()}
 
-    def local_step(self) -> dict:
+    def attach_data(self, key: int, loader) -> None:
+        """Steps that pass `data=(key, arg)` take their batches from `loader`
+        (replacing any loader under `key`): `loader.batches(arg, num_devices)`
+        returns (one batch per replica, rows in this worker's batch), or None
+        at the end of an epoch. Loaders are kept until `detach_data`, so a
+        dataset trained on again continues where it stopped."""
+        self._loaders[key] = loader
+
+    def detach_data(self, key: int) -> None:
+        self._loaders.pop(key, None)
+
+    def _batches(self, data) -> tuple[list | None, int]:
+        """(one batch per replica, samples), or (None, 0) at the end of the data's epoch."""
+        if data is None:
+            batches = self.replicas.next_batches()
+            return batches, sum(_rows(b) for b in batches)
+        key, arg = data
+        if key not in self._loaders:
+            raise DsgdError(f"worker {self.worker_index}: a step passed data of feed {key} but "
+                            "no such data loader is attached (attach_data)")
+        loaded = self._loaders[key].batches(arg, self.replicas.num_devices)
+        return loaded if loaded is not None else (None, 0)
+
+    def local_step(self, data=None) -> dict:
         """A whole step with no exchange (num_workers == 1). Blocks until applied.
         `finite` says which replicas' gradients were finite; `applied` whether
-        the update ran (not with a non-finite gradient and on_nonfinite="skip")."""
+        the update ran (not with a non-finite gradient and on_nonfinite="skip");
+        `epoch_end` (and nothing else) when `data`'s epoch had ended."""
         start = time.perf_counter()
-        losses, finite = self.replicas.local_step()
+        batches, samples = self._batches(data)
+        if batches is None:
+            return {"epoch_end": True}
+        data_s = time.perf_counter() - start
+        losses, finite = self.replicas.local_step(batches)
         finite = finite.numpy().tolist()
         applied = all(finite) or not self.replicas.gate_apply
         self.applied_steps += applied
         self._freeze_gc_once()
         return {"losses": losses.numpy().tolist(), "finite": finite, "applied": applied,
-                "compute_s": time.perf_counter() - start}
+                "samples": samples, "data_s": data_s, "compute_s": time.perf_counter() - start}
 
-    def compute(self, groups: tuple[tuple[int, ...], ...]):
+    def compute(self, groups: tuple[tuple[int, ...], ...], data=None):
         """This step's gradients, averaged across local replicas, streamed group by
         group. A generator (call with num_returns="streaming"): yields the info
         dict, then for each group of shard indices one flat tuple of the pieces of
         its shards, in order. Each yield becomes its own object, in the store as
         soon as it is written, so a PS can sum group g while group g+1 is being
-        written."""
+        written. At the end of `data`'s epoch it yields only {"epoch_end": True}."""
         start = time.perf_counter()
-        losses, finite, flat_grads = self.replicas.compute()
+        batches, samples = self._batches(data)
+        if batches is None:
+            yield {"epoch_end": True}
+            return
+        data_s = time.perf_counter() - start
+        losses, finite, flat_grads = self.replicas.compute(batches)
         pieces = self.replicas.shard_pieces(flat_grads)
         yield {"losses": losses.numpy().tolist(), "finite": finite.numpy().tolist(),
-               "compute_s": time.perf_counter() - start}
+               "samples": samples, "data_s": data_s, "compute_s": time.perf_counter() - start}
         for group in groups:  # (Ray's generator wrapper cannot `yield from` a list)
             yield tuple(piece for j in group for piece in pieces[j])
 
@@ -165,3 +201,14 @@ class Worker:
         step = checkpoint.restore_files(self.replicas.replicas, self.replicas.optimizers, files)
         self.applied_steps = step
         return step
+
+
+def _rows(batch) -> int:
+    """Examples in a replica's batch: the leading dimension of its first array
+    (0 for None, a scalar, or an empty structure)."""
+    while isinstance(batch, (tuple, list, dict)):
+        if not batch:
+            return 0
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    shape = getattr(batch, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) and shape[0] is not None else 0

@@ -12,10 +12,12 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # inherited by Ray's worker processes
 sys.path.insert(0, os.path.dirname(__file__))
 
+import counting  # noqa: E402
 import tiny  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
 cloudpickle.register_pickle_by_value(tiny)
+cloudpickle.register_pickle_by_value(counting)
 
 
 def split_driver_cpu(num_devices: int = 2) -> None:

@@ -206,3 +206,41 @@ def test_no_room_without_elastic_names_the_option():
                 sgd.step()
         finally:
             ray.kill(blocker)
+
+
+def keyed_examples(n, batch):
+    """tiny's data as examples: replica r's batch at step t, row by row."""
+    return [row for t in range(n) for r in range(2) for row in zip(*tiny.make_batch(r, t, batch))]
+
+
+class KillInTransform:
+    """A transform that SIGKILLs its worker once, when it sees `row`."""
+
+    def __init__(self, marker, row):
+        self.marker, self.row = marker, row
+
+    def __call__(self, batch):
+        x, y, index = batch
+        if self.row in index and not os.path.exists(self.marker):
+            with open(self.marker, "w") as f:
+                f.write("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x, y
+
+
+def test_worker_killed_mid_train_ends_with_the_same_weights(tmp_path):
+    examples = [(x, y, i) for i, (x, y) in enumerate(keyed_examples(6, 4))]
+
+    def run(transform):
+        with make(tiny.creator(1, 4)) as sgd:
+            sgd.train(dataset=dsgd.Dataset(examples, transform=transform, batch_size=4))
+            return sgd.get_weights(), sgd.failures, sgd.foreach_model(lambda m: m.get_weights())
+
+    expected, _, _ = run(KillInTransform(str(tmp_path / "never"), -1))
+    marker = str(tmp_path / "killed")
+    weights, failures, replicas = run(KillInTransform(marker, 4 * 8 + 5))  # worker 1, step 5
+    assert os.path.exists(marker) and len(failures) == 1
+    for got, want in zip(weights, expected):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    for a, b in zip(*replicas):
+        np.testing.assert_array_equal(a, b)

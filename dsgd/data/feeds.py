@@ -1,0 +1,178 @@
+"""How a `dsgd.Dataset` feeds a `DistributedSGD`: a driver-side feed per kind
+of data, and the loader it sends to every worker.
+
+The engine (`DistributedSGD.train`, dsgd/training.py) drives a feed through
+this protocol, without importing this module:
+
+    feed.loaders(sgd)          one loader per worker (in worker order), which the
+                               engine sends to the workers: at first use, and
+                               again after any worker was replaced or added
+    feed.steps_per_epoch(sgd)  steps in one epoch, or None (unknown)
+    feed.step_args(sgd)        one small argument per worker for the next step
+                               (never None, which tells workers to use get_batch)
+    feed.advance(sgd)          that step was completed
+    feed.position              rows consumed so far (None: not tracked);
+                               checkpoints save it and restore sets it
+    feed.reports_epoch_end     (optional) True: the workers' loaders tell when an
+                               epoch ends, so train() can run "one epoch"
+                               without knowing its length
+
+and the worker calls `loader.batches(arg, num_devices)`, which returns
+(one batch per replica, rows in the worker's batch), or None at the end of
+an epoch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from dsgd.data.batching import num_rows, split, take_rows
+from dsgd.data.stream import BlockStream
+from dsgd.errors import DsgdError
+
+# Steps' worth of rows whose downloads start ahead of the one being trained.
+PREFETCH_STEPS = 2
+# A Ray Data worker's step argument: its loader reads the next batch of its split.
+NEXT_BATCH = "next batch"
+
+
+class StreamFeed:
+    """A Python iterable: step s of a worker w takes rows [p + w*b, p + (w+1)*b)
+    of the stream, p the rows consumed before the step and b the batch size. The
+    batch is a function of the position only, so a retried step (after a worker
+    died) gets the same rows, in any worker."""
+
+    def __init__(self, dataset, stream: BlockStream):
+        self.dataset = dataset
+        self.stream = stream
+        self._taken: int | None = None  # rows of the step in flight
+
+    @property
+    def position(self) -> int:
+        return self.dataset.position
+
+    @position.setter
+    def position(self, rows: int) -> None:
+        self.dataset.position = rows
+
+    def loaders(self, sgd) -> list:
+        return [StreamLoader(self.dataset.transform, sgd.step_timeout_s)] * sgd.num_workers
+
+    def steps_per_epoch(self, sgd) -> int | None:
+        if self.stream.length is None:
+            return None
+        return -(-self.stream.length // (sgd.num_workers * self.dataset.batch_size))
+
+    def step_args(self, sgd) -> list:
+        b, start = self.dataset.batch_size, self.dataset.position
+        rows = sgd.num_workers * b
+        refs = self.stream.ready(start, rows, PREFETCH_STEPS * rows, sgd.step_timeout_s)
+        self._taken = rows
+        args = []
+        for w in range(sgd.num_workers):
+            first = start + w * b
+            spans = self.stream.spans(first, b)
+            args.append(RowSpans([refs[k] for k, _, _ in spans],
+                                 [(lo, hi) for _, lo, hi in spans], first))
+        return args
+
+    def advance(self, sgd) -> None:
+        self.dataset.position += self._taken
+
+
+class RowSpans:
+    """One worker's batch: rows `spans[k]` of the block `refs[k]`, in order;
+    `first_row` is the stream row of the first (for messages)."""
+
+    def __init__(self, refs: list, spans: list[tuple[int, int]], first_row: int):
+        self.refs, self.spans, self.first_row = refs, spans, first_row
+
+    @property
+    def rows(self) -> int:
+        return sum(hi - lo for lo, hi in self.spans)
+
+
+class StreamLoader:
+    """(worker side) Reads a `RowSpans` batch from the object store (zero-copy
+    views when it sits in one block), applies the transform, splits it among
+    the replicas."""
+
+    def __init__(self, transform: Callable | None, timeout_s: float):
+        self.transform, self.timeout_s = transform, timeout_s
+
+    def batches(self, arg: RowSpans, num_devices: int):
+        import ray
+
+        blocks = ray.get(arg.refs, timeout=self.timeout_s)
+        batch = take_rows(blocks, arg.spans)
+        where = f"rows {arg.first_row}..{arg.first_row + arg.rows - 1} of the data"
+        return finish(batch, self.transform, num_devices, where)
+
+
+class RayDataFeed:
+    """A `ray.data.Dataset`, consumed by Ray Data: `streaming_split(n, equal=True)`
+    gives each worker an iterator over its share, and each worker reads batches
+    with `iter_batches` (Ray Data prefetches them in the worker). The split is
+    made again whenever workers change, and its epoch then starts over."""
+
+    position = None
+    reports_epoch_end = True  # train() without num_steps runs until the split's epoch ends
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def loaders(self, sgd) -> list:
+        splits = self.dataset.data.streaming_split(sgd.num_workers, equal=True)
+        return [RayDataLoader(s, self.dataset.batch_size, self.dataset.transform) for s in splits]
+
+    def steps_per_epoch(self, sgd) -> None:
+        return None  # counting rows would run the whole pipeline: an epoch ends when it ends
+
+    def step_args(self, sgd) -> list:
+        return [NEXT_BATCH] * sgd.num_workers  # not None: None means "use get_batch"
+
+    def advance(self, sgd) -> None:
+        pass
+
+
+class RayDataLoader:
+    """(worker side) The next batch of this worker's streaming split. All
+    workers' batches have the same rows (equal split, full batches only); the
+    end of the split's epoch is reported as None, and the next call starts the
+    next epoch."""
+
+    PREFETCH_BATCHES = 2
+
+    def __init__(self, split_iterator, batch_size: int, transform: Callable | None):
+        self.split_iterator, self.batch_size, self.transform = split_iterator, batch_size, transform
+        self._batches = None
+        self._count = 0
+
+    def batches(self, arg: Any, num_devices: int):
+        if self._batches is None:
+            self._batches = iter(self.split_iterator.iter_batches(
+                batch_size=self.batch_size, batch_format="numpy", drop_last=True,
+                prefetch_batches=self.PREFETCH_BATCHES))
+            self._count = 0
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            self._batches = None
+            return None
+        self._count += 1
+        return finish(batch, self.transform, num_devices,
+                      f"batch {self._count} of this worker's Ray Data split in this epoch")
+
+
+def finish(batch, transform: Callable | None, num_devices: int, where: str):
+    """transform(batch), then one batch per replica, and the worker batch's rows."""
+    if transform is not None:
+        try:
+            batch = transform(batch)
+        except Exception as e:
+            raise DsgdError(f"transform raised on {where}: {type(e).__name__}: {e}") from e
+    try:
+        rows = num_rows(batch)
+        return split(batch, num_devices), rows
+    except (ValueError, TypeError) as e:
+        raise DsgdError(f"the batch of {where}{' after transform' if transform else ''}: {e}") from e

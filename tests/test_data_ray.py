@@ -1,0 +1,84 @@
+"""dsgd.Dataset over a ray.data.Dataset: Ray Data's streaming_split and
+iter_batches feed the workers. (Its own module: Ray Data's tasks need CPUs
+that test_data.py's long-lived workers would hold.)"""
+
+import numpy as np
+import pytest
+import ray
+
+import dsgd
+from counting import N, Counter, counts, reset
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
+
+
+def test_ray_data_one_epoch_covers_every_row_once():
+    ds = ray.data.range(N).map_batches(lambda b: {"x": np.eye(N, dtype=np.float32)[b["id"]]})
+    with dsgd.DistributedSGD(Counter, 2, 2, gpu=False) as sgd:
+        reset(sgd)
+        summary = sgd.train(dataset=dsgd.Dataset(ds, batch_size=4))
+        assert summary["steps"] == 6 and summary["epoch_ended"] and summary["num_samples"] == N
+        np.testing.assert_array_equal(counts(sgd), np.ones(N, int))
+
+
+class Linear(dsgd.Model):
+    def __init__(self, worker_index, device_index):
+        import keras
+
+        self.model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        self.optimizer = keras.optimizers.SGD(0.1)
+
+    def get_loss(self, batch):
+        import tensorflow as tf
+
+        return tf.reduce_mean(tf.square(self.model(batch["x"]) - batch["y"]))
+
+    def get_optimizer(self):
+        return self.optimizer
+
+
+def test_ray_data_trains_a_model_to_the_expected_result():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 4)).astype(np.float32)
+    true_w = np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32)
+    ds = ray.data.from_items([{"x": a, "y": a @ true_w} for a in x])
+    with dsgd.DistributedSGD(Linear, 2, 1, gpu=False) as sgd:
+        dataset = dsgd.Dataset(ds, batch_size=16)
+        first = sgd.train(dataset=dataset)["loss"]
+        last = sgd.train(dataset=dataset, num_steps=40)["loss"]
+        np.testing.assert_allclose(sgd.get_weights()[0], true_w, atol=0.05)
+        assert last < 0.01 * first
+
+
+class KillOnce:
+    """A transform whose worker SIGKILLs itself at its `at`-th batch, in the first
+    worker to get there (`marker` is created exclusively)."""
+
+    def __init__(self, marker, at):
+        self.marker, self.at, self.calls = marker, at, 0
+
+    def __call__(self, batch):
+        import os
+        import signal
+
+        self.calls += 1
+        if self.calls == self.at:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return batch
+            os.kill(os.getpid(), signal.SIGKILL)
+        return batch
+
+
+def test_a_worker_killed_mid_epoch_restarts_the_split(tmp_path):
+    ds = ray.data.range(N).map_batches(lambda b: {"x": np.eye(N, dtype=np.float32)[b["id"]]})
+    with dsgd.DistributedSGD(Counter, 2, 1, gpu=False, step_timeout_s=120) as sgd:
+        reset(sgd)
+        summary = sgd.train(dataset=dsgd.Dataset(ds, batch_size=4,
+                                                 transform=KillOnce(str(tmp_path / "k"), 3)),
+                            num_steps=10)
+        assert summary["steps"] == 10 and len(sgd.failures) == 1
+        # Every applied step trained on one full batch per worker, whatever the epoch's
+        # restart re-read: 10 steps x 2 workers x 4 rows.
+        assert counts(sgd).sum() == 80 and counts(sgd).min() >= 0
