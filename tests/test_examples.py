@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dsgd.examples import mnist, recovery
+from dsgd.examples import identity, mnist, recovery
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 
@@ -33,3 +33,25 @@ def test_recovery_example_matches_the_uninterrupted_run(capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert result["failures"] == 2 and result["max_weight_difference"] <= 1e-6
     assert all(s > 0 for s in result["recovery_s"])
+
+
+def test_identity_example_runs_the_seed_usages(capsys):
+    result = identity.main(["--epochs", "2", "--steps", "30"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    # sgd.train(dataset=dataset, num_steps=30) twice, then sgd.train() (the model's own
+    # data: one epoch of 50 steps), then sgd.train(dataset=dataset2, num_steps=20).
+    assert result["steps"] == 2 * 30 + 50 + 20 and result["own_data_steps"] == 50
+    assert result["dataset_rows_trained"] == 2 * 30 * 2 * 32
+    assert result["dataset2_loss"] < 0.01 and abs(result["f(0.5)"] - 0.5) < 0.1
+
+
+@pytest.mark.parametrize("source", ["files", "ray-data"])
+def test_mnist_example_from_png_files(capsys, tmp_path_factory, source):
+    directory = tmp_path_factory.getbasetemp() / "mnist_png"  # written once, shared
+    result = mnist.main(["--input", source, "--data-dir", str(directory), "--steps", "12",
+                         "--eval-every", "6", "--batch-size", "32"])
+    assert result["input"] == source and result["steps"] == 12
+    assert result["final_loss"] < 0.8 * result["first_loss"] and result["test_accuracy"] > 0.3
+    pngs = sorted(directory.glob("*/*.png"))
+    assert len(pngs) == 4000 and (directory / "7").is_dir()
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
