@@ -8,17 +8,21 @@ from dsgd import installation as _installation
 # root): a clear ImportError saying what to do, before anything needs them.
 _installation.check_compiled(_os.path.dirname(_os.path.abspath(__file__)))
 
-from dsgd.errors import (CheckpointError, DsgdError, ModelMismatchError, NonFiniteError,
-                         ResourceError, StepTimeoutError)
-from dsgd.data import Dataset
-from dsgd.model import KerasModel, Model
-from dsgd.sgd import DistributedSGD
+from dsgd.data import Dataset  # noqa: E402
+from dsgd.errors import (CheckpointError, DsgdError, ModelMismatchError,  # noqa: E402
+                         NonFiniteError, ResourceError, StepTimeoutError)
+from dsgd.model import KerasModel, Model  # noqa: E402
+from dsgd.sgd import DistributedSGD  # noqa: E402
+from dsgd.trainer import BATCH_SIZE, Trainer, TrainingOperator  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DistributedSGD",
     "Dataset",
+    "Trainer",
+    "TrainingOperator",
+    "BATCH_SIZE",
     "Model",
     "KerasModel",
     "DsgdError",

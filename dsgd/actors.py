@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+
 from dsgd import constants
 from dsgd.errors import DsgdError, StepTimeoutError
 from dsgd.param_server import ParameterServer
@@ -31,7 +32,7 @@ class ActorSet:
     """Worker actors by slot (the worker index given to `model_creator`) and PS actors.
 
     Args:
-        worker_args: `(model_creator, devices_per_worker, gpu, all_reduce_alg)`.
+        worker_args: `(model_creator, devices_per_worker, gpu, all_reduce_alg, worker_init)`.
         worker_options: Ray options of a worker actor (resources).
         suffix: this DistributedSGD's id, the last part of every actor name.
         stall_warning_s: interval of stall reports while a wait is pending.
@@ -61,13 +62,13 @@ class ActorSet:
 
     def start_workers(self, slots: list[int]) -> list:
         """Create worker actors for `slots` (not yet set up). Returns their handles."""
-        model_creator, devices, gpu, alg = self.worker_args
+        model_creator, devices, gpu, alg, init = self.worker_args
         handles = []
         for slot in slots:
             name = self._name(constants.WORKER_NAME_PREFIX, slot)
             handle = self._worker_cls.options(name=name, runtime_env=constants.ACTOR_RUNTIME_ENV,
                                               **self.worker_options).remote(
-                model_creator, slot, devices, gpu, alg)
+                model_creator, slot, devices, gpu, alg, init)
             self.names[id(handle)] = name
             handles.append(handle)
             position = sorted(self.slots + [slot]).index(slot)
@@ -98,6 +99,10 @@ class ActorSet:
 
     def next_generation(self) -> None:
         self._generation += 1
+
+    def kill(self, handle) -> None:
+        """Kill one actor (a hung one, to be replaced by recovery)."""
+        self._kill(handle)
 
     def remove_worker(self, slot: int) -> None:
         k = self.slots.index(slot)
@@ -132,10 +137,13 @@ class ActorSet:
         while pending:
             left = timeout_s - (time.monotonic() - start)
             if left <= 0:
-                late = sorted({self.name(owners[refs.index(r)]) for r in pending})
-                raise StepTimeoutError(
-                    f"{what}: no answer after {timeout_s:.1f} s from {', '.join(late)}. "
+                late = list({id(h): h for h in (owners[refs.index(r)] for r in pending)}.values())
+                error = StepTimeoutError(
+                    f"{what}: no answer after {timeout_s:.1f} s from "
+                    f"{', '.join(sorted(self.name(h) for h in late))}. "
                     f"Cluster resources available now: {ray.available_resources()}")
+                error.late = late  # the actors' handles (DistributedSGD replace_hung)
+                raise error
             _, pending = ray.wait(pending, num_returns=len(pending),
                                   timeout=min(left, interval_s))
             if pending and time.monotonic() - start < timeout_s:
@@ -204,9 +212,13 @@ class ActorSet:
 
 def placeable_workers(options: dict, want: int) -> int:
     """How many more workers with Ray `options` fit in the resources available now
-    (each worker's CPUs and GPUs on one node). Blocks for one GCS call."""
+    (each worker's CPUs and GPUs on one node). Blocks for one GCS call. Workers
+    placed in a placement group (under Ray Tune) take the bundles a dead one
+    left: all of them."""
     from dsgd.ray_private import available_resources_per_node
 
+    if not isinstance(options.get("scheduling_strategy"), str):
+        return want
     cpu, gpu = options.get("num_cpus", 1), options.get("num_gpus", 0)
     fit = 0
     for available in available_resources_per_node().values():

@@ -42,27 +42,27 @@ META_SUFFIX = ".dsgd.json"
 
 
 def state_variables(replica) -> list:
-    """What a checkpoint (and the start-up broadcast) holds of one replica."""
-    model = getattr(replica, "model", None)
-    weights = getattr(model, "weights", None)
-    return list(weights) if weights else list(replica.get_variables())
+    """What a checkpoint (and the start-up broadcast) holds of one replica:
+    its `get_state_variables()`."""
+    return list(replica.get_state_variables())
 
 
-def _tf_checkpoint(replica, optimizer, step_var):
+def _tf_checkpoint(replica, optimizer_variables, step_var):
     import tensorflow as tf
 
     return tf.train.Checkpoint(weights=state_variables(replica),
-                               optimizer_variables=list(optimizer.variables), step=step_var)
+                               optimizer_variables=list(optimizer_variables), step=step_var)
 
 
-def save_files(replica, optimizer, step: int) -> dict[str, bytes]:
-    """(worker side) One replica's state as checkpoint files: {suffix: bytes}."""
+def save_files(replica, optimizer_variables: list, step: int) -> dict[str, bytes]:
+    """(worker side) One replica's state and the variables of its optimizers
+    (`Replicas.optimizer_variables`) as checkpoint files: {suffix: bytes}."""
     import tensorflow as tf
 
     tmp = tempfile.mkdtemp(prefix="dsgd-ckpt-")
     try:
         step_var = tf.Variable(step, dtype=tf.int64)
-        _tf_checkpoint(replica, optimizer, step_var).write(os.path.join(tmp, _PREFIX))
+        _tf_checkpoint(replica, optimizer_variables, step_var).write(os.path.join(tmp, _PREFIX))
         files = {}
         for name in os.listdir(tmp):
             with open(os.path.join(tmp, name), "rb") as f:
@@ -72,9 +72,10 @@ def save_files(replica, optimizer, step: int) -> dict[str, bytes]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def restore_files(replicas, optimizers, files: dict[str, bytes]) -> int:
-    """(worker side) Load checkpoint files into every replica. Checks the
-    checkpoint against the model first, so a mismatch changes nothing."""
+def restore_files(replicas, optimizer_variables: list, files: dict[str, bytes]) -> int:
+    """(worker side) Load checkpoint files into every replica (`optimizer_variables[i]`:
+    replica i's). Checks the checkpoint against the model first, so a mismatch
+    changes nothing."""
     import tensorflow as tf
 
     tmp = tempfile.mkdtemp(prefix="dsgd-ckpt-")
@@ -83,23 +84,23 @@ def restore_files(replicas, optimizers, files: dict[str, bytes]) -> int:
             with open(os.path.join(tmp, _PREFIX + suffix), "wb") as f:
                 f.write(data)
         prefix = os.path.join(tmp, _PREFIX)
-        _check_compatible(prefix, replicas[0], optimizers[0])
+        _check_compatible(prefix, replicas[0], optimizer_variables[0])
         step = 0
-        for replica, optimizer in zip(replicas, optimizers):
+        for replica, variables in zip(replicas, optimizer_variables):
             step_var = tf.Variable(0, dtype=tf.int64)
-            _tf_checkpoint(replica, optimizer, step_var).read(prefix).assert_existing_objects_matched()
+            _tf_checkpoint(replica, variables, step_var).read(prefix).assert_existing_objects_matched()
             step = int(step_var.numpy())
         return step
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _check_compatible(prefix: str, replica, optimizer) -> None:
+def _check_compatible(prefix: str, replica, optimizer_variables) -> None:
     import tensorflow as tf
 
     shapes = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
     for group, variables in (("weights", state_variables(replica)),
-                             ("optimizer_variables", list(optimizer.variables))):
+                             ("optimizer_variables", list(optimizer_variables))):
         saved = sum(1 for k in shapes if k.startswith(group + "/") and k.endswith("VARIABLE_VALUE"))
         if saved != len(variables):
             raise ModelMismatchError(f"checkpoint has {saved} {group} but the model has {len(variables)}")
@@ -201,7 +202,7 @@ def read(path: str) -> tuple[dict[str, bytes], dict]:
     return files, meta
 
 
-def save(sgd, path: str) -> str:
+def save(sgd, path: str, extra: dict | None = None) -> str:
     """(driver side) `DistributedSGD.save_checkpoint`: worker 0 / replica 0's
     state, written by the driver as the checkpoint `path`, with the position in
     the dataset last trained on (`train(dataset=...)` of a Python iterable).
@@ -217,12 +218,14 @@ def save(sgd, path: str) -> str:
     feed = sgd.last_feed
     if getattr(feed, "position", None) is not None:
         meta["data_position"] = int(feed.position)  # rows of the last dataset trained on
+    if extra is not None:
+        meta["extra"] = extra
     write(path, files, meta)
     sgd._last_checkpoint = path
     return path
 
 
-def restore(sgd, path: str) -> None:
+def restore(sgd, path: str) -> dict | None:
     """(driver side) `DistributedSGD.restore_checkpoint`: the checked files,
     shipped once through the object store to every worker, and the data
     position, if saved, given to the dataset last trained on. Blocks."""
@@ -236,3 +239,4 @@ def restore(sgd, path: str) -> None:
     feed = sgd.last_feed
     if "data_position" in meta and getattr(feed, "position", None) is not None:
         feed.position = int(meta["data_position"])
+    return meta.get("extra")

@@ -13,11 +13,33 @@ from __future__ import annotations
 import logging
 
 from dsgd import constants, store
-from dsgd.arguments import check_store
+from dsgd.arguments import check_resources, check_store
 from dsgd.errors import ModelMismatchError
-from dsgd.sharding import ShardPlan, assign_shards, group_shards, plan_shards, whole_plan
+from dsgd.sharding import (
+    ShardPlan,
+    assign_shards,
+    group_shards,
+    plan_shards,
+    whole_plan,
+)
 
 logger = logging.getLogger("dsgd")
+
+
+def worker_scheduling(num_workers: int, devices_per_worker: int, gpu: bool, num_cpus: float):
+    """Where workers go: inside the current placement group, if any (a Ray Tune
+    trial's resources are one; actors only land in it when asked), in any of its
+    bundles with room; otherwise spread over the cluster, after checking that the
+    cluster can hold them (ResourceError)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        check_resources(num_workers, devices_per_worker, gpu, num_cpus)
+        return "SPREAD"
+    return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=-1,
+                                            placement_group_capture_child_tasks=False)
 
 
 def start_stall_s(sgd) -> float:

@@ -19,17 +19,21 @@ class Model:
     """
 
     def get_loss(self, batch: Any):
-        """Scalar mean loss of one batch (a `tf.Tensor`).
+        """Scalar mean loss of one batch (a `tf.Tensor`). Or a dict: "loss" (that
+        scalar, or with several optimizers one scalar per optimizer) and other
+        scalar metrics, which steps report averaged over replicas.
 
         Traced into the worker's compiled step (`tf.function`): use TensorFlow
         ops on `batch`, not Python side effects. `batch` is what `get_batch`
-        returned, converted to tensors.
+        returned (or a dataset's batch), converted to tensors.
         """
         raise NotImplementedError("dsgd.Model subclasses must implement get_loss(batch)")
 
     def get_optimizer(self):
-        """The Keras optimizer of this replica. Return the same object on every
-        call, and a different object for every replica."""
+        """The Keras optimizer of this replica, or a list of them, each updating
+        one group of `get_variable_groups()` (e.g. a GAN's discriminator and
+        generator). Return the same objects on every call, and different
+        objects for every replica."""
         raise NotImplementedError("dsgd.Model subclasses must implement get_optimizer()")
 
     def get_variables(self) -> list:
@@ -38,6 +42,19 @@ class Model:
         if model is None:
             raise NotImplementedError("override get_variables() or set self.model to a Keras model")
         return list(model.trainable_variables)
+
+    def get_state_variables(self) -> list:
+        """Everything checkpoints and the start-up broadcast hold of this replica:
+        default `self.model.weights` (non-trainable state such as BatchNorm
+        statistics included) if it is a Keras model, else `get_variables()`."""
+        weights = getattr(getattr(self, "model", None), "weights", None)
+        return list(weights) if weights else list(self.get_variables())
+
+    def get_variable_groups(self) -> list:
+        """With several optimizers: one list of variables per optimizer, in
+        `get_optimizer()` order, together exactly `get_variables()`. Loss i (see
+        `get_loss`) is differentiated with respect to group i."""
+        return [self.get_variables()]
 
     def get_batch(self) -> Any:
         """Next batch for `get_loss`; runs eagerly in Python, once per step. Default: None

@@ -44,7 +44,7 @@ def recover(sgd, error: BaseException) -> bool:
             raise error
         raise DsgdError(f"step {sgd.steps_done + 1}: {action.reason}") from error
     logger.warning("step %d: %s (%s: %s)", sgd.steps_done + 1, action.reason,
-                   type(error).__name__, _first_line(error))
+                   type(error).__name__, first_line(error))
     add_workers(sgd, action.replace_workers)
     if action.state_source is not None:
         copy_state(sgd, action.state_source, action.replace_workers + action.sync_workers)
@@ -100,7 +100,7 @@ def maybe_grow(sgd) -> None:
                    sgd.num_workers * sgd.devices_per_worker)
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     """The first line of an error's message, without the terminal colours Ray adds."""
     lines = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip().splitlines()
     return lines[0][:200] if lines else ""

@@ -8,7 +8,7 @@ also be used in-process.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -35,6 +35,7 @@ class Replicas:
         import tensorflow as tf
 
         self.devices = _configure_devices(self.num_devices, self.gpu)
+        self.optimizers, self.group_indices = [], []
         for i, device in enumerate(self.devices):
             with tf.device(device), tf.name_scope(f"device_{i}"):
                 replica = self.model_creator(self.worker_index, i)
@@ -42,16 +43,19 @@ class Replicas:
                     raise TypeError(f"model_creator({self.worker_index}, {i}) must return a "
                                     f"dsgd.Model, got {type(replica).__name__}")
                 variables = list(replica.get_variables())
-                optimizer = replica.get_optimizer()
                 if not variables:
                     raise ModelMismatchError(f"replica (worker {self.worker_index}, device {i}) "
                                              "has no trainable variables")
+                optimizers, indices = _optimizer_groups(replica, variables,
+                                                        f"worker {self.worker_index}, device {i}")
                 # Slots are created now, on this device, so that checkpoints and
                 # weight broadcasts see the full optimizer state before step 1.
-                optimizer.build(variables)
+                for optimizer, group in zip(optimizers, indices):
+                    optimizer.build([variables[k] for k in group])
             self.replicas.append(replica)
+            self.optimizers.append(optimizers)
+            self.group_indices.append(indices)
         self.variables = [list(r.get_variables()) for r in self.replicas]
-        self.optimizers = [r.get_optimizer() for r in self.replicas]
         self._check_replicas_agree()
         return {
             "names": [_name(v) for v in self.variables[0]],
@@ -80,9 +84,12 @@ class Replicas:
                         f"{where} shares variable {k} ({_name(b)}) with replica {seen[id(b)]}: "
                         "model_creator must build a new model on every call")
                 seen[id(b)] = i
-            if any(self.optimizers[i] is o for o in self.optimizers[:i]):
+            if any(o is p for o in self.optimizers[i] for ps in self.optimizers[:i] for p in ps):
                 raise ModelMismatchError(f"{where} shares its optimizer with another replica: "
                                          "create the optimizer inside model_creator")
+            if self.group_indices[i] != self.group_indices[0]:
+                raise ModelMismatchError(f"{where} groups its variables among optimizers "
+                                         "differently from replica 0")
 
     def configure(self, plan: ShardPlan, on_nonfinite: str = "raise") -> None:
         """Compile the step functions for this shard plan. Unless `on_nonfinite`
@@ -91,11 +98,17 @@ class Replicas:
         update wait for every gradient (measured ~8-11 % of a small CNN's step),
         so with "raise" each variable's update runs right after its own
         gradient's check, whatever the result, and the caller raises afterwards."""
-        import tensorflow as tf
 
         self.plan = plan
         self.check_finite = on_nonfinite != "ignore"
         self.gate_apply = on_nonfinite == "skip"
+        self.retrace()
+
+    def retrace(self) -> None:
+        """New compiled step functions (traced again at their next call): for
+        when what get_loss reads at trace time has changed."""
+        import tensorflow as tf
+
         self._local_step_fn = tf.function(self._local_step_graph, reduce_retracing=True)
         self._compute_fn = tf.function(self._compute_graph, reduce_retracing=True)
         self._apply_fn = tf.function(self._apply_graph, reduce_retracing=True)
@@ -104,13 +117,14 @@ class Replicas:
         """Batches (one per replica; None: each replica's `get_batch()`) ->
         gradients -> local mean -> apply, in one compiled call (with
         on_nonfinite="skip", nothing is applied if any replica's gradient is not
-        finite). Returns (losses: float32 [D], finite: bool [D])."""
+        finite). Returns (losses: float32 [D], finite: bool [D], metrics: {name:
+        float32 [D]}, the extra values get_loss returned)."""
         return self._local_step_fn(self._tensors(batches))
 
     def compute(self, batches: list | None = None):
         """Batches (as for `local_step`) -> gradients -> local mean, in one
         compiled call. Returns (losses [D], finite [D], the mean gradient of every
-        variable, flattened)."""
+        variable, flattened, metrics {name: [D]})."""
         return self._compute_fn(self._tensors(batches))
 
     def shard_pieces(self, flat_grads) -> list[tuple[np.ndarray, ...]]:
@@ -142,39 +156,53 @@ class Replicas:
         byte_sizes = tf.constant([a.nbytes for a in shards], tf.int64)
         self._apply_fn(addresses, byte_sizes)
 
+    def optimizer_variables(self, i: int) -> list:
+        """Every optimizer variable of replica `i` (iterations, slots), optimizer by optimizer."""
+        return [v for optimizer in self.optimizers[i] for v in optimizer.variables]
+
     def _replica_means(self, batches):
         import tensorflow as tf
 
-        losses, grads, finite, flags = [], [], [], []
+        losses, grads, finite, flags, metrics = [], [], [], [], []
         for i, (replica, batch) in enumerate(zip(self.replicas, batches)):
             with tf.device(self.devices[i]), tf.name_scope(f"device_{i}"):
-                with tf.GradientTape() as tape:
-                    loss = replica.get_loss(batch)
-                loss = tf.convert_to_tensor(loss)
-                if loss.shape.rank != 0:
-                    raise ValueError(f"get_loss must return a scalar, got shape {loss.shape}")
-                raw = tape.gradient(loss, self.variables[i])
+                groups = self.group_indices[i]
+                with tf.GradientTape(persistent=len(groups) > 1) as tape:
+                    objectives, extra = _loss_parts(replica.get_loss(batch), len(groups))
+                raw = [None] * len(self.variables[i])
+                for objective, group in zip(objectives, groups):
+                    for k, g in zip(group, tape.gradient(objective,
+                                                         [self.variables[i][k] for k in group])):
+                        raw[k] = g
+                del tape
                 grads.append([tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
                               for g, v in zip(raw, self.variables[i])])
-                losses.append(tf.cast(loss, tf.float32))
+                losses.append(tf.add_n([tf.cast(o, tf.float32) for o in objectives]))
+                metrics.append(extra)
                 flags.append(_finite_flags(grads[-1], self.gpu) if self.check_finite
                              else [None] * len(grads[-1]))
                 checked = [f for f in flags[-1] if f is not None]
                 finite.append(tf.reduce_all(tf.stack(checked)) if checked else tf.constant(True))
         means = allreduce.mean_across_devices(grads, self.devices, self.all_reduce_alg)
-        return tf.stack(losses), tf.stack(finite), means, flags
+        names = sorted(metrics[0])
+        if any(sorted(m) != names for m in metrics):
+            raise ValueError("get_loss must return the same metric names on every replica, got "
+                             f"{[sorted(m) for m in metrics]}")
+        stacked = {n: tf.stack([m[n] for m in metrics]) for n in names}
+        return tf.stack(losses), tf.stack(finite), means, flags, stacked
 
     def _apply_means(self, means) -> None:
         import tensorflow as tf
 
-        for i, (optimizer, variables) in enumerate(zip(self.optimizers, self.variables)):
+        for i, (optimizers, variables) in enumerate(zip(self.optimizers, self.variables)):
             with tf.device(self.devices[i]):
-                optimizer.apply_gradients(zip(means[i], variables))
+                for optimizer, group in zip(optimizers, self.group_indices[i]):
+                    optimizer.apply_gradients([(means[i][k], variables[k]) for k in group])
 
     def _local_step_graph(self, batches):
         import tensorflow as tf
 
-        losses, finite, means, flags = self._replica_means(batches)
+        losses, finite, means, flags, metrics = self._replica_means(batches)
         if self.gate_apply:
             tf.cond(tf.reduce_all(finite), lambda: self._apply_and_true(means), lambda: False)
         else:
@@ -183,7 +211,7 @@ class Replicas:
             # (it cost 2-5 % run as a separate pass over the gradients).
             self._apply_means([[_after(g, [f[k] for f in flags]) for k, g in enumerate(m)]
                                for m in means])
-        return losses, finite
+        return losses, finite, metrics
 
     def _apply_and_true(self, means):
         self._apply_means(means)
@@ -192,8 +220,8 @@ class Replicas:
     def _compute_graph(self, batches):
         import tensorflow as tf
 
-        losses, finite, means, _ = self._replica_means(batches)
-        return losses, finite, [tf.reshape(g, [-1]) for g in means[0]]
+        losses, finite, means, _, metrics = self._replica_means(batches)
+        return losses, finite, [tf.reshape(g, [-1]) for g in means[0]], metrics
 
     def _apply_graph(self, addresses, byte_sizes):
         grads = ops.read_shards(addresses, byte_sizes, self.plan)
@@ -270,3 +298,51 @@ def _configure_devices(num: int, gpu: bool) -> list[str]:
                 raise DsgdError(f"cannot split the CPU into {num} logical devices: TensorFlow "
                                 f"was already initialised in this process with {have}") from e
     return [f"/device:CPU:{i}" for i in range(num)]
+
+
+def _optimizer_groups(replica: Model, variables: list, where: str) -> tuple[list, list]:
+    """The replica's optimizers and, for each, the indices (into `variables`) of
+    the variables it updates: `get_optimizer()` may return one optimizer (all
+    variables) or a list matched to `get_variable_groups()`."""
+    optimizer = replica.get_optimizer()
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    groups = replica.get_variable_groups() if len(optimizers) > 1 else [variables]
+    if len(groups) != len(optimizers):
+        raise ModelMismatchError(f"replica ({where}) has {len(optimizers)} optimizers but "
+                                 f"get_variable_groups() gives {len(groups)} variable groups")
+    position = {id(v): k for k, v in enumerate(variables)}
+    indices, used = [], set()
+    for g, group in enumerate(groups):
+        group_indices = []
+        for v in group:
+            if id(v) not in position or id(v) in used:
+                raise ModelMismatchError(f"replica ({where}): variable {_name(v)} of group {g} is "
+                                         "not in get_variables(), or in two groups")
+            used.add(id(v))
+            group_indices.append(position[id(v)])
+        indices.append(group_indices)
+    return optimizers, indices
+
+
+def _loss_parts(out, num_objectives: int) -> tuple[list, dict]:
+    """get_loss's result as (one scalar objective per optimizer, {name: float32
+    scalar metric}). It returns a scalar, or a dict whose "loss" is a scalar or
+    one scalar per optimizer, the other entries being scalar metrics."""
+    import tensorflow as tf
+
+    metrics = {}
+    if isinstance(out, dict):
+        if "loss" not in out:
+            raise ValueError(f"get_loss returned a dict without 'loss': keys {sorted(out)}")
+        metrics = {k: tf.cast(tf.convert_to_tensor(v), tf.float32) for k, v in out.items()
+                   if k != "loss"}
+        out = out["loss"]
+    objectives = list(out) if isinstance(out, (list, tuple)) else [out]
+    if len(objectives) != num_objectives:
+        raise ValueError(f"get_loss returned {len(objectives)} loss(es) for {num_objectives} "
+                         "optimizer(s): return one scalar loss per optimizer")
+    objectives = [tf.convert_to_tensor(o) for o in objectives]
+    for value in objectives + list(metrics.values()):
+        if value.shape.rank != 0:
+            raise ValueError(f"get_loss must return scalars, got shape {value.shape}")
+    return objectives, metrics

@@ -8,14 +8,15 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from dsgd import checkpoint, constants, launch, ops, recovery, training
 from dsgd.actors import ActorSet, actor_died_errors
-from dsgd.arguments import check_args, check_resources
-from dsgd.errors import DsgdError, NonFiniteError
+from dsgd.arguments import check_args
+from dsgd.errors import DsgdError, NonFiniteError, StepTimeoutError
 from dsgd.model import Model
 from dsgd.param_server import mean_shard, split_group
 from dsgd.worker import Worker
@@ -62,6 +63,16 @@ class DistributedSGD:
         elastic: when a dead worker cannot be replaced for lack of resources,
             continue with fewer workers (a smaller global batch), and add
             workers back when resources return. Without it, that is an error.
+        replace_hung: a step that times out (`step_timeout_s`) kills the actors
+            that did not answer and recovers as if they had died (replaced, the
+            step retried), logging it; without it the step raises
+            `StepTimeoutError`.
+        worker_init: called with no arguments in every worker process before
+            its replicas are built (e.g. to set environment variables or a
+            Keras precision policy); it travels pickled.
+
+    Inside a placement group (e.g. a Ray Tune trial) the workers are placed in
+    its bundles; otherwise they are spread over the cluster.
 
     Raises, before any actor starts: TypeError/ValueError for bad arguments,
     `ResourceError` when the cluster cannot hold the workers (or, after the
@@ -76,11 +87,16 @@ class DistributedSGD:
                  step_timeout_s: float = constants.DEFAULT_STEP_TIMEOUT_S,
                  start_timeout_s: float = constants.DEFAULT_START_TIMEOUT_S,
                  stall_warning_s: float | None = None, on_nonfinite: str = "raise",
-                 max_failures: int = constants.DEFAULT_MAX_FAILURES, elastic: bool = False):
+                 max_failures: int = constants.DEFAULT_MAX_FAILURES, elastic: bool = False,
+                 replace_hung: bool = False, worker_init: Callable[[], Any] | None = None):
         check_args(model_creator, num_workers, devices_per_worker, gpu, strategy,
                    grad_shard_bytes, all_reduce_alg, num_ps, num_cpus_per_worker,
                    step_timeout_s, start_timeout_s, stall_warning_s, on_nonfinite,
                    max_failures, elastic)
+        if not isinstance(replace_hung, bool):
+            raise TypeError(f"replace_hung must be True or False, got {replace_hung!r}")
+        if worker_init is not None and not callable(worker_init):
+            raise TypeError(f"worker_init must be callable or None, got {type(worker_init).__name__}")
         import ray
 
         if not ray.is_initialized():
@@ -97,6 +113,7 @@ class DistributedSGD:
         self.on_nonfinite = on_nonfinite
         self.max_failures = max_failures
         self.elastic = elastic
+        self.replace_hung = replace_hung
         self.steps_done = 0
         self.skipped_steps = 0
         self.failures: list[dict] = []   # one record per recovered failure
@@ -107,13 +124,14 @@ class DistributedSGD:
         self.membership = 0       # bumped whenever workers are replaced or added
         self._feeds = {}          # data feeds by key (dsgd/training.py), most recent last
         self.last_feed = None     # the feed of the last step trained from a dataset
-        check_resources(num_workers, devices_per_worker, gpu, num_cpus_per_worker)
-        options = {"num_cpus": num_cpus_per_worker, "scheduling_strategy": "SPREAD"}
+        options = {"num_cpus": num_cpus_per_worker,
+                   "scheduling_strategy": launch.worker_scheduling(num_workers, devices_per_worker,
+                                                                   gpu, num_cpus_per_worker)}
         if gpu:
             options["num_gpus"] = devices_per_worker
         stall_s = stall_warning_s or min(constants.MAX_STALL_WARNING_S, self.step_timeout_s / 4)
-        self.actors = ActorSet((model_creator, devices_per_worker, gpu, all_reduce_alg), options,
-                               self._suffix, stall_s)
+        self.actors = ActorSet((model_creator, devices_per_worker, gpu, all_reduce_alg, worker_init),
+                               options, self._suffix, stall_s)
         try:
             launch.start_workers(self, list(range(num_workers)), first=True)
             launch.start_ps(self, num_ps)
@@ -197,6 +215,17 @@ class DistributedSGD:
                 break
             except actor_died_errors() as e:
                 if recovery.recover(self, e):  # the step had been applied before the failure
+                    infos, applied = None, [{"apply_s": 0.0}]
+                    break
+            except StepTimeoutError as e:
+                if not self.replace_hung or not getattr(e, "late", None):
+                    raise
+                logger.warning("step %d: killing hung actor(s) %s to replace them (%s)",
+                               self.steps_done + 1, ", ".join(self.actors.name(h) for h in e.late),
+                               recovery.first_line(e))
+                for handle in e.late:
+                    self.actors.kill(handle)
+                if recovery.recover(self, e):
                     infos, applied = None, [{"apply_s": 0.0}]
                     break
         if infos is not None and infos[0].get("epoch_end"):
@@ -332,19 +361,21 @@ class DistributedSGD:
         self._wait([w.set_weights.remote(ref) for w in self.workers], self.workers,
                    "set_weights", self.step_timeout_s)
 
-    def save_checkpoint(self, path: str) -> str:
+    def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """Write weights, optimizer state, step count and configuration as the
         checkpoint `path` (files `path.dsgd.json` and `path.step<N>-<id>.*`),
         atomically: a crash mid-save leaves the previous checkpoint loadable.
-        Blocks until the files are fsynced. Returns `path`."""
-        return checkpoint.save(self, path)
+        `extra`: JSON-serialisable values stored with it (e.g. a trainer's
+        epoch), which `restore_checkpoint` returns. Blocks until the files are
+        fsynced. Returns `path`."""
+        return checkpoint.save(self, path, extra)
 
-    def restore_checkpoint(self, path: str) -> None:
+    def restore_checkpoint(self, path: str) -> dict | None:
         """Load a checkpoint written by `save_checkpoint` into every replica (any
-        number of workers). A truncated or corrupt checkpoint raises
-        CheckpointError, one that does not fit the model ModelMismatchError,
-        both before any replica changes."""
-        checkpoint.restore(self, path)
+        number of workers). Returns the `extra` saved with it (None if none).
+        A truncated or corrupt checkpoint raises CheckpointError, one that does
+        not fit the model ModelMismatchError, both before any replica changes."""
+        return checkpoint.restore(self, path)
 
     def _call_all(self, method: str, *args) -> list:
         workers = list(self.workers)
@@ -356,7 +387,7 @@ class DistributedSGD:
         if hasattr(self, "actors"):
             self.actors.shutdown()
 
-    def __enter__(self) -> "DistributedSGD":
+    def __enter__(self) -> DistributedSGD:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 from dsgd import constants, progress
 
 
-def train(sgd, num_steps: int | None, dataset) -> dict:
+def train(sgd, num_steps: int | None, dataset, desc: str = "train") -> dict:
     """See `DistributedSGD.train`. Returns {"loss": mean loss over the steps,
     "steps": steps run, "num_samples": examples trained on (every replica's
     batches; None when get_batch's batches have no leading dimension),
@@ -25,7 +25,11 @@ def train(sgd, num_steps: int | None, dataset) -> dict:
     the dataset's epoch ended (Ray Data, num_steps=None), "train_s": wall time,
     "step_s": median seconds per step, "data_s": median seconds the slowest
     worker spent getting its step's batches, "samples_per_s", "step": steps applied
-    in all, "failures": failures recovered in all}."""
+    in all, "failures": failures recovered in all, "mean_times": mean seconds per
+    step of step_s/data_s/compute_s/apply_s/exchange_s, "workers": per worker
+    (worker order) {"num_samples", "batch_count", "sums": {metric: sum over steps
+    of value x samples}, "last": {metric: last step's value}}, the metrics being
+    "loss" and any others get_loss returns}."""
     feed = _feed(sgd, dataset)
     until_epoch_end = False
     if num_steps is None:
@@ -44,38 +48,79 @@ def train(sgd, num_steps: int | None, dataset) -> dict:
         raise ValueError(f"num_steps must be a positive int or None (one epoch), got {num_steps!r}")
 
     start = time.perf_counter()
-    losses, samples, skipped, steps, ended_at, step_times, data_times = [], 0, 0, 0, None, [], []
-    with progress.bar(None if until_epoch_end else int(num_steps), "train") as bar:
-        while until_epoch_end or steps < num_steps:
+    tally = Tally()
+    ended_at = None
+    with progress.bar(None if until_epoch_end else int(num_steps), desc) as bar:
+        while until_epoch_end or tally.steps < num_steps:
             step_start = time.perf_counter()
-            infos, _, was_skipped = sgd._run_step(feed)
+            infos, applied, was_skipped = sgd._run_step(feed)
             if infos is not None and infos[0].get("epoch_end"):
-                if until_epoch_end and steps:
+                if until_epoch_end and tally.steps:
                     break
-                if ended_at == steps:
+                if ended_at == tally.steps:
                     raise ValueError(f"{dataset!r} has fewer rows than one step needs "
                                      f"({sgd.num_workers} worker(s) x batch_size="
                                      f"{dataset.batch_size})")
-                ended_at = steps
+                ended_at = tally.steps
                 continue  # the next call starts the next epoch
-            steps += 1
-            step_times.append(time.perf_counter() - step_start)
-            skipped += was_skipped
-            if infos is not None:
-                data_times.append(max(info.get("data_s", 0.0) for info in infos))
-                losses.append(float(np.mean([x for info in infos for x in info["losses"]])))
-                samples += sum(info.get("samples", 0) for info in infos)
-            if losses:
-                bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+            tally.add(infos, applied, was_skipped, time.perf_counter() - step_start)
+            if tally.losses:
+                bar.set_postfix(loss=f"{tally.losses[-1]:.4f}",
+                                samples_s=f"{tally.samples / (time.perf_counter() - start):.0f}",
+                                refresh=False)
             bar.update()
-    train_s = time.perf_counter() - start
-    return {"loss": float(np.nanmean(losses)) if losses else float("nan"), "steps": steps,
-            "num_samples": samples, "skipped_steps": skipped,
-            "epoch_ended": until_epoch_end, "train_s": train_s,
-            "step_s": float(np.median(step_times)) if step_times else float("nan"),
-            "data_s": float(np.median(data_times)) if data_times else float("nan"),
-            "samples_per_s": samples / train_s if train_s > 0 else 0.0,
-            "step": sgd.steps_done, "failures": len(sgd.failures)}
+    return tally.summary(sgd, until_epoch_end, time.perf_counter() - start)
+
+
+class Tally:
+    """What train() reports: per step the loss and timings, per worker (in
+    worker order) its samples, batches, and for every metric (the loss too)
+    the sum of value x samples and the last value; a worker's value of a step
+    is the mean over its replicas."""
+
+    def __init__(self):
+        self.steps, self.skipped, self.samples = 0, 0, 0
+        self.losses, self.times = [], {k: [] for k in ("step_s", "data_s", "compute_s",
+                                                        "apply_s", "exchange_s")}
+        self.workers: list[dict] = []
+
+    def add(self, infos, applied, skipped: bool, step_s: float) -> None:
+        self.steps += 1
+        self.skipped += skipped
+        self.times["step_s"].append(step_s)
+        if infos is None:  # the step was applied before a failure interrupted it
+            return
+        compute_s = max(info.get("compute_s", 0.0) for info in infos)
+        apply_s = max((a.get("apply_s", 0.0) for a in applied), default=0.0)
+        for key, value in (("data_s", max(info.get("data_s", 0.0) for info in infos)),
+                           ("compute_s", compute_s), ("apply_s", apply_s),
+                           ("exchange_s", max(0.0, step_s - compute_s - apply_s))):
+            self.times[key].append(value)
+        self.losses.append(float(np.mean([x for info in infos for x in info["losses"]])))
+        while len(self.workers) < len(infos):
+            self.workers.append({"num_samples": 0, "batch_count": 0, "sums": {}, "last": {}})
+        for worker, info in zip(self.workers, infos):
+            samples = int(info.get("samples", 0))
+            values = {"loss": float(np.mean(info["losses"]))}
+            values.update({k: float(np.mean(v)) for k, v in info.get("metrics", {}).items()})
+            worker["num_samples"] += samples
+            worker["batch_count"] += 1
+            for key, value in values.items():
+                worker["sums"][key] = worker["sums"].get(key, 0.0) + value * max(samples, 1)
+                worker["last"][key] = value
+            self.samples += samples
+
+    def summary(self, sgd, epoch_ended: bool, train_s: float) -> dict:
+        times = {k: float(np.mean(v)) if v else float("nan") for k, v in self.times.items()}
+        return {"loss": float(np.nanmean(self.losses)) if self.losses else float("nan"),
+                "steps": self.steps, "num_samples": self.samples,
+                "skipped_steps": self.skipped, "epoch_ended": epoch_ended, "train_s": train_s,
+                "step_s": float(np.median(self.times["step_s"])) if self.steps else float("nan"),
+                "data_s": float(np.median(self.times["data_s"])) if self.times["data_s"]
+                else float("nan"),
+                "samples_per_s": self.samples / train_s if train_s > 0 else 0.0,
+                "step": sgd.steps_done, "failures": len(sgd.failures),
+                "mean_times": times, "workers": self.workers}
 
 
 def _feed(sgd, dataset):

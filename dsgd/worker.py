@@ -14,7 +14,8 @@ asks. Call order: `setup()` once, `configure(plan)` once, then per step either
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -27,8 +28,10 @@ from dsgd.sharding import ShardPlan
 
 class Worker:
     def __init__(self, model_creator: Callable[[int, int], Model], worker_index: int,
-                 devices_per_worker: int, gpu: bool, all_reduce_alg: str):
+                 devices_per_worker: int, gpu: bool, all_reduce_alg: str,
+                 worker_init: Callable[[], Any] | None = None):
         self.worker_index = worker_index
+        self.worker_init = worker_init
         self.applied_steps = 0
         self._gc_frozen = False
         self._loaders: dict = {}  # data feed key -> loader (dsgd/data/feeds.py)
@@ -40,6 +43,8 @@ class Worker:
         (names, shapes, dtypes), devices, node id and pid."""
         import ray
 
+        if self.worker_init is not None:
+            self.worker_init()  # e.g. environment variables, a Keras precision policy
         info = self.replicas.setup()
         info["node_id"] = ray.get_runtime_context().get_node_id()
         return info
@@ -104,12 +109,13 @@ class Worker:
         if batches is None:
             return {"epoch_end": True}
         data_s = time.perf_counter() - start
-        losses, finite = self.replicas.local_step(batches)
+        losses, finite, metrics = self.replicas.local_step(batches)
         finite = finite.numpy().tolist()
         applied = all(finite) or not self.replicas.gate_apply
         self.applied_steps += applied
         self._freeze_gc_once()
         return {"losses": losses.numpy().tolist(), "finite": finite, "applied": applied,
+                "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
                 "samples": samples, "data_s": data_s, "compute_s": time.perf_counter() - start}
 
     def compute(self, groups: tuple[tuple[int, ...], ...], data=None):
@@ -125,9 +131,10 @@ class Worker:
             yield {"epoch_end": True}
             return
         data_s = time.perf_counter() - start
-        losses, finite, flat_grads = self.replicas.compute(batches)
+        losses, finite, flat_grads, metrics = self.replicas.compute(batches)
         pieces = self.replicas.shard_pieces(flat_grads)
         yield {"losses": losses.numpy().tolist(), "finite": finite.numpy().tolist(),
+               "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
                "samples": samples, "data_s": data_s, "compute_s": time.perf_counter() - start}
         for group in groups:  # (Ray's generator wrapper cannot `yield from` a list)
             yield tuple(piece for j in group for piece in pieces[j])
@@ -166,16 +173,16 @@ class Worker:
         """Everything a replacement worker needs to continue exactly: replica 0's
         model state, its optimizer's variables (iteration count, slots) and
         `applied_steps`. Returned through the object store."""
-        optimizer = self.replicas.optimizers[0]
         return {"model": self.get_state(),
-                "optimizer": [np.array(v.numpy()) for v in optimizer.variables],
+                "optimizer": [np.array(v.numpy()) for v in self.replicas.optimizer_variables(0)],
                 "applied_steps": self.applied_steps}
 
     def set_full_state(self, state: dict) -> None:
         """Load a `get_full_state()` into every replica (read, not kept)."""
         self.set_state(state["model"])
-        for optimizer in self.replicas.optimizers:
-            for variable, value in zip(optimizer.variables, state["optimizer"], strict=True):
+        for i in range(len(self.replicas.replicas)):
+            for variable, value in zip(self.replicas.optimizer_variables(i), state["optimizer"],
+                                       strict=True):
                 variable.assign(value)
         self.applied_steps = int(state["applied_steps"])
 
@@ -189,16 +196,24 @@ class Worker:
     def foreach_model(self, fn: Callable[[Model], Any]) -> list:
         return [fn(replica) for replica in self.replicas.replicas]
 
-    def foreach_worker(self, fn: Callable[["Worker"], Any]) -> Any:
+    def foreach_worker(self, fn: Callable[[Worker], Any]) -> Any:
         return fn(self)
+
+    def run(self, fn: Callable[..., Any], *args) -> Any:
+        """fn(this worker, *args): the driver's way to run per-worker work (e.g.
+        the Trainer's validation over this worker's share of the data)."""
+        return fn(self, *args)
 
     def save_checkpoint(self, step: int) -> dict[str, bytes]:
         """Replica 0's weights and optimizer state as checkpoint files {suffix: bytes}."""
-        return checkpoint.save_files(self.replicas.replicas[0], self.replicas.optimizers[0], step)
+        return checkpoint.save_files(self.replicas.replicas[0], self.replicas.optimizer_variables(0),
+                                     step)
 
     def restore_checkpoint(self, files: dict[str, bytes]) -> int:
         """Restore every replica from checkpoint files; returns the saved step."""
-        step = checkpoint.restore_files(self.replicas.replicas, self.replicas.optimizers, files)
+        step = checkpoint.restore_files(
+            self.replicas.replicas,
+            [self.replicas.optimizer_variables(i) for i in range(len(self.replicas.replicas))], files)
         self.applied_steps = step
         return step
 

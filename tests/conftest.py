@@ -14,10 +14,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import counting  # noqa: E402
 import tiny  # noqa: E402
+import trainer_ops  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
-cloudpickle.register_pickle_by_value(tiny)
-cloudpickle.register_pickle_by_value(counting)
+for _helper in (tiny, counting, trainer_ops):
+    cloudpickle.register_pickle_by_value(_helper)
 
 
 def split_driver_cpu(num_devices: int = 2) -> None:

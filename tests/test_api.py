@@ -121,7 +121,8 @@ def test_mismatched_checkpoint_changes_nothing(sgd2x2, tmp_path):
     path = str(tmp_path / "wide")
     wide = WideModel(0, 0)
     wide.optimizer.build(wide.get_variables())
-    dsgd.checkpoint.write(path, dsgd.checkpoint.save_files(wide, wide.optimizer, 0), {"step": 0})
+    dsgd.checkpoint.write(path, dsgd.checkpoint.save_files(wide, wide.optimizer.variables, 0),
+                          {"step": 0})
     before = sgd2x2.get_weights()
     with pytest.raises(dsgd.ModelMismatchError, match=r"weights\[0\] has shape \(5, 9\)"):
         sgd2x2.restore_checkpoint(path)

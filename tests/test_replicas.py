@@ -19,7 +19,8 @@ def test_compute_then_apply_matches_a_plain_step(shard_bytes):
     replicas.configure(plan)
     initial = replicas.replicas[0].get_weights()
 
-    losses, finite, flat_grads = replicas.compute()
+    losses, finite, flat_grads, metrics = replicas.compute()
+    assert metrics == {}
     assert finite.numpy().tolist() == [True]
     pieces = replicas.shard_pieces(flat_grads)
     x, y = tiny.make_batch(0, 0, 4)

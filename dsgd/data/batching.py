@@ -7,7 +7,8 @@ a batch has the same structure with one more leading dimension (rows).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 

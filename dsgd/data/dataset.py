@@ -4,7 +4,8 @@ transforms and batches in parallel (seeds raysgd_dataset and ray_data)."""
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 

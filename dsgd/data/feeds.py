@@ -24,7 +24,8 @@ an epoch.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from dsgd.data.batching import num_rows, split, take_rows
 from dsgd.data.stream import BlockStream

@@ -1,0 +1,206 @@
+"""`dsgd.TrainingOperator`: what one replica trains (seed torch_trainer, for Keras).
+
+Subclass it and implement `setup(config)`, which builds the models, optimizers,
+loss, metrics and data and registers them. `dsgd.Trainer` makes one operator
+per replica (worker x device), inside the replica's `tf.device`, and calls
+`train_batch` inside the worker's compiled step (`tf.function`) and
+`validate_batch` inside a compiled validation step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# config key of the global batch size; inside an operator, config[BATCH_SIZE] is
+# the per-replica batch (the global one divided among all replicas), as in the seed.
+BATCH_SIZE = "*batch_size"
+
+
+class TrainingOperator:
+    """One replica's training components. Do not construct it: `dsgd.Trainer` does.
+
+    Properties: `config`, `world_rank` (this replica's index among all replicas,
+    worker-major), `world_size` (replicas in all), `device` (its TensorFlow
+    device), and after `register`: `models`/`model`, `optimizers`/`optimizer`,
+    `loss`, `metrics`.
+    """
+
+    def __init__(self, config: dict, world_rank: int, world_size: int, device: str,
+                 loss_scaling: bool = False):
+        self._config, self._world_rank, self._world_size = config, world_rank, world_size
+        self._device, self._loss_scaling = device, loss_scaling
+        self._models: list = []
+        self._optimizers: list = []
+        self._loss: Callable | None = None
+        self._metrics: list = []
+        self._train_data = self._validation_data = None
+        self._registered = self._data_registered = False
+
+    # -- to implement -----------------------------------------------------------------
+    def setup(self, config: dict) -> None:
+        """Build and register everything: `self.register(...)`, `self.register_data(...)`."""
+        raise NotImplementedError("TrainingOperator subclasses must implement setup(config)")
+
+    # -- registration -------------------------------------------------------------------
+    def register(self, *, models, optimizers, loss=None, metrics=None):
+        """Register one or several Keras models and optimizers (several: optimizer i
+        updates model i, e.g. a GAN's discriminator and generator), the loss (a
+        Keras loss object, name or callable `loss(y_true, y_pred)`) and Keras
+        metrics reported by validation as `val_<name>`. Returns (models,
+        optimizers) shaped as given; with `use_fp16=True` the optimizers are
+        wrapped in `keras.optimizers.LossScaleOptimizer`."""
+        import keras
+
+        single_model = not isinstance(models, (list, tuple))
+        single_optimizer = not isinstance(optimizers, (list, tuple))
+        self._models = [models] if single_model else list(models)
+        optimizers = [optimizers] if single_optimizer else list(optimizers)
+        for i, model in enumerate(self._models):
+            if not isinstance(model, keras.Model):
+                raise TypeError(f"register: models[{i}] must be a keras.Model, got "
+                                f"{type(model).__name__}")
+            if not model.built:
+                raise ValueError(f"register: models[{i}] ({model.name}) is not built; start it "
+                                 "with keras.Input or call model.build(input_shape) in setup")
+        for i, optimizer in enumerate(optimizers):
+            if not isinstance(optimizer, keras.optimizers.Optimizer):
+                raise TypeError(f"register: optimizers[{i}] must be a Keras optimizer, got "
+                                f"{type(optimizer).__name__}")
+        if len(optimizers) > 1 and len(optimizers) != len(self._models):
+            raise ValueError(f"register: {len(optimizers)} optimizers for {len(self._models)} "
+                             "models; with several optimizers, optimizer i updates model i")
+        if self._loss_scaling:
+            optimizers = [o if isinstance(o, keras.optimizers.LossScaleOptimizer)
+                          else keras.optimizers.LossScaleOptimizer(o) for o in optimizers]
+        self._optimizers = optimizers
+        if isinstance(loss, str):
+            loss = keras.losses.get(loss)
+        if loss is not None and not callable(loss):
+            raise TypeError(f"register: loss must be a Keras loss, a name or a callable, got {loss!r}")
+        self._loss = loss
+        metrics = [] if metrics is None else list(metrics) if isinstance(metrics, (list, tuple)) \
+            else [metrics]
+        for metric in metrics:
+            if not isinstance(metric, keras.metrics.Metric):
+                raise TypeError(f"register: metrics must be keras.metrics.Metric objects, got "
+                                f"{type(metric).__name__}")
+        self._metrics = metrics
+        self._registered = True
+        return (self._models[0] if single_model else tuple(self._models),
+                self._optimizers[0] if single_optimizer else tuple(self._optimizers))
+
+    def register_data(self, *, train_data=None, validation_data=None) -> None:
+        """Register the data: each a `dsgd.Dataset`, a `ray.data.Dataset` (both fed
+        by the driver, built here on every replica but used from worker 0's) or a
+        `tf.data.Dataset` of batches (each replica reads its shard: every batch
+        once per epoch across replicas)."""
+        self._train_data, self._validation_data = train_data, validation_data
+        self._data_registered = True
+
+    # -- per batch (traced into compiled steps) ------------------------------------------
+    def train_batch(self, batch, batch_info: dict) -> dict:
+        """One training batch: returns {"loss": the scalar to minimise (with several
+        optimizers, one scalar per optimizer)} plus any scalar metrics to report.
+        dsgd differentiates, averages the gradients over all replicas and applies
+        the optimizers. Default: `loss(y, model(x, training=True))` + the model's
+        own losses."""
+        x, y = unpack(batch)
+        model = self.model
+        loss = self._mean_loss(y, model(x, training=True))
+        if model.losses:
+            import tensorflow as tf
+
+            loss = loss + tf.add_n(model.losses)
+        return {"loss": loss}
+
+    def validate_batch(self, batch, batch_info: dict) -> dict:
+        """One validation batch: returns scalars to average over samples. Default:
+        {"val_loss"} and every registered metric updated (reported `val_<name>`)."""
+        x, y = unpack(batch)
+        predictions = self.model(x, training=False)
+        for metric in self._metrics:
+            metric.update_state(y, predictions)
+        return {"val_loss": self._mean_loss(y, predictions)}
+
+    def state_dict(self) -> dict:
+        """Extra state to checkpoint (JSON-serialisable: numbers, strings, lists, dicts)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
+
+    # -- properties ------------------------------------------------------------------------
+    config = property(lambda self: self._config)
+    world_rank = property(lambda self: self._world_rank)
+    world_size = property(lambda self: self._world_size)
+    device = property(lambda self: self._device)
+    models = property(lambda self: list(self._models))
+    optimizers = property(lambda self: list(self._optimizers))
+    loss = property(lambda self: self._loss)
+    metrics = property(lambda self: list(self._metrics))
+
+    @property
+    def model(self):
+        if len(self._models) != 1:
+            raise AttributeError(f"{len(self._models)} models are registered: use self.models")
+        return self._models[0]
+
+    @property
+    def optimizer(self):
+        if len(self._optimizers) != 1:
+            raise AttributeError(f"{len(self._optimizers)} optimizers are registered: use "
+                                 "self.optimizers")
+        return self._optimizers[0]
+
+    def _mean_loss(self, y, predictions):
+        import tensorflow as tf
+
+        if self._loss is None:
+            raise ValueError("no loss registered: pass loss= to register, or override "
+                             "train_batch/validate_batch")
+        return tf.reduce_mean(tf.cast(self._loss(y, predictions), tf.float32))
+
+    # -- backwards compatibility (seed) ---------------------------------------------------
+    @classmethod
+    def from_creators(cls, model_creator: Callable, optimizer_creator: Callable,
+                      data_creator: Callable, loss_creator: Callable | None = None,
+                      metrics_creator: Callable | None = None) -> type:
+        """An operator class from creator functions: `model_creator(config)` -> model
+        (or a tuple), `optimizer_creator(model(s), config)` -> optimizer(s),
+        `data_creator(config)` -> (train_data, validation_data),
+        `loss_creator(config)` -> loss, `metrics_creator(config)` -> metrics."""
+        for name, fn in (("model_creator", model_creator), ("optimizer_creator", optimizer_creator),
+                         ("data_creator", data_creator)):
+            if not callable(fn):
+                raise TypeError(f"from_creators: {name} must be callable, got {type(fn).__name__}")
+
+        class CreatorOperator(cls):
+            def setup(self, config):
+                models = model_creator(config)
+                optimizers = optimizer_creator(models, config)
+                loss = loss_creator(config) if loss_creator else None
+                metrics = metrics_creator(config) if metrics_creator else None
+                self.register(models=models, optimizers=optimizers, loss=loss, metrics=metrics)
+                data = data_creator(config)
+                train, validation = data if isinstance(data, tuple) else (data, None)
+                self.register_data(train_data=train, validation_data=validation)
+
+        CreatorOperator.__name__ = CreatorOperator.__qualname__ = \
+            f"{getattr(model_creator, '__name__', 'creator')}_operator"
+        return CreatorOperator
+
+
+def unpack(batch) -> tuple[Any, Any]:
+    """(inputs, labels) of a batch: a tuple/list (x, y), or a dict of columns with
+    x/y, image/label or features/label."""
+    if isinstance(batch, dict):
+        for x_key, y_key in (("x", "y"), ("image", "label"), ("features", "label")):
+            if x_key in batch and y_key in batch:
+                return batch[x_key], batch[y_key]
+        raise ValueError(f"a batch of columns {sorted(batch)}: the default train_batch/"
+                         "validate_batch read x/y, image/label or features/label; override them")
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError("the default train_batch/validate_batch expect (x, y) batches; override "
+                     f"them for batches of type {type(batch).__name__}")

@@ -1,0 +1,230 @@
+"""A TrainingOperator as the engine's replica (`dsgd.Model`), worker side.
+
+The engine calls `get_loss(batch)` inside its compiled step: that runs the
+operator's `train_batch`, scales the loss under mixed-precision float16, and
+returns the loss(es) to differentiate plus the metrics to report. Validation
+does not go through steps: `validate_share` (run in each worker) feeds the
+worker's share of the validation data to its replicas' compiled
+`validate_batch` and returns sums, so that the driver can weight by samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dsgd.model import Model
+
+
+class OperatorReplica(Model):
+    def __init__(self, operator_cls, config: dict, world_rank: int, world_size: int, device: str,
+                 loss_scaling: bool):
+        import tensorflow as tf
+
+        self.operator = operator_cls(config, world_rank, world_size, device, loss_scaling)
+        self.operator.setup(config)
+        if not self.operator._registered:
+            raise ValueError(f"{operator_cls.__name__}.setup must call self.register(models=..., "
+                             "optimizers=...)")
+        self.loss_scaling = loss_scaling
+        self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="dsgd_epoch")
+        self.batch_idx = tf.Variable(0, dtype=tf.int64, trainable=False, name="dsgd_batch_idx")
+        self.info: dict = {}
+        self._own = _shard(self.operator._train_data, world_rank, world_size)
+        self._own_validation = _shard(self.operator._validation_data, world_rank, world_size)
+        self._iterator = None
+        self._validate_fn = None
+
+    # -- dsgd.Model --------------------------------------------------------------------
+    def get_variables(self) -> list:
+        return [v for m in self.operator._models for v in m.trainable_variables]
+
+    def get_variable_groups(self) -> list:
+        return [list(m.trainable_variables) for m in self.operator._models]
+
+    def get_state_variables(self) -> list:
+        """Checkpoints and broadcasts: every model's weights, non-trainable included."""
+        return [v for m in self.operator._models for v in m.weights]
+
+    def get_optimizer(self):
+        optimizers = self.operator._optimizers
+        return optimizers[0] if len(optimizers) == 1 else list(optimizers)
+
+    def get_loss(self, batch):
+        import tensorflow as tf
+
+        out = self.operator.train_batch(batch, self._batch_info())
+        if not isinstance(out, dict) or "loss" not in out:
+            raise ValueError(f"train_batch must return a dict with 'loss', got {out!r:.200}")
+        losses = out["loss"]
+        several = isinstance(losses, (list, tuple))
+        objectives = [tf.cast(x, tf.float32) for x in (losses if several else [losses])]
+        optimizers = self.operator._optimizers
+        if len(objectives) != len(optimizers) and len(optimizers) > 1:
+            raise ValueError(f"train_batch returned {len(objectives)} losses for "
+                             f"{len(optimizers)} optimizers: one per optimizer")
+        metrics = {k: v for k, v in out.items() if k not in ("loss", "num_samples")}
+        metrics["train_loss"] = tf.add_n(objectives)
+        if self.loss_scaling:  # what compile()/fit() would do; the optimizer unscales
+            objectives = [o.scale_loss(x) for o, x in zip(optimizers, objectives)]
+        with tf.control_dependencies(objectives):
+            self.batch_idx.assign_add(1)
+        return {"loss": objectives if several else objectives[0], **metrics}
+
+    def get_batch(self):
+        if self._own is None:
+            raise ValueError("no tf.data training data registered: register_data(train_data=...) "
+                             "or pass dataset= to train()")
+        if self._iterator is None:
+            self._iterator = iter(self._own)
+        try:
+            return next(self._iterator)
+        except StopIteration:  # num_steps beyond one epoch: the next epoch of the shard
+            self._iterator = iter(self._own)
+            return next(self._iterator)
+
+    def steps_per_epoch(self) -> int | None:
+        """Own tf.data shards: batches of the smallest shard, so that all replicas
+        step together (the rest of a larger shard waits for the next epoch)."""
+        if self._own is None:
+            return None
+        total = int(self.operator._train_data.cardinality())
+        return total // self.operator.world_size if total >= 0 else None
+
+    # -- per epoch / per call --------------------------------------------------------------
+    def start_epoch(self, epoch: int, info: dict | None) -> bool:
+        """Set the epoch, restart batch numbering and the own-data iterator. Returns
+        True when `info` changed (the caller retraces the compiled step)."""
+        self.epoch.assign(epoch)
+        self.batch_idx.assign(0)
+        self._iterator = None
+        info = dict(info or {})
+        changed = info != self.info
+        self.info = info
+        return changed
+
+    def _batch_info(self) -> dict:
+        return {"epoch": self.epoch, "batch_idx": self.batch_idx, **self.info}
+
+    # -- validation --------------------------------------------------------------------------
+    def begin_validation(self, info: dict | None) -> None:
+        for metric in self.operator._metrics:
+            metric.reset_state()
+        if dict(info or {}) != self.info:
+            self.info = dict(info or {})
+            self._validate_fn = None
+
+    def validate(self, batch) -> dict[str, float]:
+        """The compiled validate_batch on one batch (numpy or tensors)."""
+        import tensorflow as tf
+
+        if self._validate_fn is None:
+            self._validate_fn = tf.function(self._validate_graph, reduce_retracing=True)
+        out = self._validate_fn(tf.nest.map_structure(tf.convert_to_tensor, batch))
+        return {k: float(v) for k, v in out.items()}
+
+    def _validate_graph(self, batch):
+        import tensorflow as tf
+
+        out = self.operator.validate_batch(batch, self._batch_info())
+        if not isinstance(out, dict):
+            raise ValueError(f"validate_batch must return a dict of scalars, got {out!r:.200}")
+        return {k: tf.cast(v, tf.float32) for k, v in out.items() if k != "num_samples"}
+
+    def own_validation_batches(self):
+        if self._own_validation is None:
+            raise ValueError("no validation data registered: register_data(validation_data=...)")
+        return iter(self._own_validation)
+
+    def metric_states(self) -> list[list[np.ndarray]]:
+        return [[np.array(v.numpy()) for v in m.variables] for m in self.operator._metrics]
+
+    def metric_results(self, states: list[list[np.ndarray]]) -> dict[str, float]:
+        """Load summed metric states (every worker's) and read the results."""
+        results = {}
+        for metric, values in zip(self.operator._metrics, states):
+            for variable, value in zip(metric.variables, values):
+                variable.assign(value)
+            results[f"val_{metric.name}"] = float(np.asarray(metric.result()))
+        return results
+
+
+def _shard(data, rank: int, world: int):
+    """A tf.data.Dataset's shard for this replica; None for other data (fed by the driver)."""
+    import tensorflow as tf
+
+    if isinstance(data, tf.data.Dataset):
+        return data.shard(world, rank)
+    return None
+
+
+def validate_share(worker, source: tuple, num_steps: int | None) -> dict:
+    """(worker side, via Worker.run) Validate this worker's share: `source` is
+    ("rows", [RowSpans], transform) of a dsgd.Dataset, ("ray", split iterator,
+    batch size, transform) or ("own",) for each replica's tf.data shard. A worker
+    batch is split among the replicas. Returns sums over samples, batch count,
+    the last batch's values and the replicas' summed metric states."""
+    from dsgd.data.batching import num_rows
+
+    replicas = worker.replicas.replicas
+    tally = {"num_samples": 0, "batch_count": 0, "sums": {}, "last": {}}
+
+    def run(replica, batch):
+        rows = num_rows(batch)
+        if rows == 0:
+            return
+        out = replica.validate(batch)
+        tally["num_samples"] += rows
+        for key, value in out.items():
+            tally["sums"][key] = tally["sums"].get(key, 0.0) + value * rows
+        tally["last"] = out
+
+    for replica in replicas:
+        replica.begin_validation(replica.info)
+    if source[0] == "own":
+        for replica in replicas:
+            for k, batch in enumerate(replica.own_validation_batches()):
+                if num_steps is not None and k >= num_steps:
+                    break
+                run(replica, batch)
+                tally["batch_count"] += 1
+    else:
+        for k, batch in enumerate(_worker_batches(source)):
+            if num_steps is not None and k >= num_steps:
+                break
+            for replica, part in zip(replicas, _split_uneven(batch, len(replicas))):
+                run(replica, part)
+            tally["batch_count"] += 1
+    states = [r.metric_states() for r in replicas]
+    tally["metric_states"] = [[sum(s[m][v] for s in states) for v in range(len(states[0][m]))]
+                              for m in range(len(states[0]))]
+    return tally
+
+
+def _worker_batches(source: tuple):
+    from dsgd.data.batching import take_rows
+    from dsgd.data.feeds import finish
+
+    if source[0] == "rows":
+        import ray
+
+        _, spans_list, transform, timeout_s = source
+        for spans in spans_list:
+            batch = take_rows(ray.get(spans.refs, timeout=timeout_s), spans.spans)
+            yield finish(batch, transform, 1, f"validation rows from {spans.first_row}")[0][0]
+    elif source[0] == "ray":
+        _, iterator, batch_size, transform = source
+        for k, batch in enumerate(iterator.iter_batches(batch_size=batch_size, batch_format="numpy",
+                                                        drop_last=False)):
+            yield finish(batch, transform, 1, f"validation batch {k + 1}")[0][0]
+    else:
+        raise ValueError(f"unknown validation source {source[0]!r}")
+
+
+def _split_uneven(batch, parts: int) -> list:
+    """`parts` row ranges of a batch, as equal as possible (some may be empty)."""
+    from dsgd.data.batching import map_leaves, num_rows
+
+    rows = num_rows(batch)
+    bounds = [rows * k // parts for k in range(parts + 1)]
+    return [map_leaves(lambda a, lo=lo, hi=hi: a[lo:hi], batch)
+            for lo, hi in zip(bounds[:-1], bounds[1:])]

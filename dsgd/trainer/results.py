@@ -1,0 +1,70 @@
+"""How the Trainer reports: per-batch values averaged over the batches of a
+worker weighted by samples, then over workers weighted by samples (Ray 1.x
+averaged workers unweighted, ray#21849, and its TFTrainer returned worker 0's
+only). Pure functions over the engine's and the workers' tallies."""
+
+from __future__ import annotations
+
+# Keys of the engine's per-step tally that are not train_batch metrics.
+_ENGINE_KEYS = ("loss", "train_loss")
+
+
+def worker_means(worker: dict) -> dict[str, float]:
+    """A worker's sample-weighted means of its per-batch values."""
+    samples = max(worker["num_samples"], 1)
+    return {k: v / samples for k, v in worker["sums"].items()}
+
+
+def train_results(summary: dict, epoch: int, reduce_results: bool, profile: bool):
+    """Trainer.train's result from `DistributedSGD.train`'s summary."""
+    per_worker = []
+    for worker in summary["workers"]:
+        means = worker_means(worker)
+        row = {"epoch": epoch, "batch_count": worker["batch_count"],
+               "num_samples": worker["num_samples"],
+               "train_loss": means.get("train_loss", means.get("loss")),
+               "last_train_loss": worker["last"].get("train_loss", worker["last"].get("loss"))}
+        row.update({k: v for k, v in means.items() if k not in _ENGINE_KEYS})
+        per_worker.append(row)
+    extra = {}
+    if profile:
+        extra = {f"mean_{k}": v for k, v in summary["mean_times"].items()}
+        extra["train_epoch_s"] = summary["train_s"]
+    if not reduce_results:
+        return [dict(row, **extra) for row in per_worker]
+    return dict(reduce(per_worker, epoch), **extra)
+
+
+def validation_results(tallies: list[dict], metric_results: dict, reduce_results: bool,
+                       elapsed_s: float, profile: bool):
+    """Trainer.validate's result from every worker's `validate_share` tally and
+    the registered metrics' results over the summed states."""
+    per_worker = []
+    for tally in tallies:
+        row = {"batch_count": tally["batch_count"], "num_samples": tally["num_samples"]}
+        row.update(worker_means(tally))
+        row.update({f"last_{k}": v for k, v in tally["last"].items()})
+        per_worker.append(row)
+    extra = {"validation_s": elapsed_s} if profile else {}
+    if not reduce_results:
+        return [dict(row, **extra) for row in per_worker]
+    result = reduce(per_worker, None)
+    result.update(metric_results)  # exact over the whole set, not an average of averages
+    return dict(result, **extra)
+
+
+def reduce(rows: list[dict], epoch) -> dict:
+    """Workers' rows merged: num_samples summed, batch_count averaged, every other
+    number averaged weighted by the workers' samples."""
+    total = sum(r["num_samples"] for r in rows)
+    merged = {"num_samples": total,
+              "batch_count": sum(r["batch_count"] for r in rows) / max(len(rows), 1)}
+    if epoch is not None:
+        merged = {"epoch": epoch, **merged}
+    keys = [k for k in rows[0] if k not in ("epoch", "num_samples", "batch_count")] if rows else []
+    for key in keys:
+        weighted = [(r[key], r["num_samples"]) for r in rows if r.get(key) is not None]
+        weight = sum(n for _, n in weighted)
+        merged[key] = (sum(v * n for v, n in weighted) / weight if weight
+                       else (sum(v for v, _ in weighted) / len(weighted) if weighted else None))
+    return merged

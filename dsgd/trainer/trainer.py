@@ -1,0 +1,347 @@
+"""`dsgd.Trainer`: epochs, validation, metrics, checkpoints, mixed precision and
+TensorBoard over a `DistributedSGD` (seed torch_trainer, for TensorFlow/Keras).
+
+The driver owns one `DistributedSGD` whose replicas are the user's
+`TrainingOperator`s (dsgd/trainer/replica.py): training goes through the
+engine's steps (one engine, one failure story: dead or hung workers are
+replaced and the epoch goes on), validation runs per worker over its share.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from dsgd import training
+from dsgd.actors import actor_died_errors
+from dsgd.data import Dataset
+from dsgd.data.dataset import is_ray_dataset
+from dsgd.data.feeds import RowSpans
+from dsgd.errors import StepTimeoutError
+from dsgd.sgd import DistributedSGD
+from dsgd.trainer import results
+from dsgd.trainer.operator import BATCH_SIZE, TrainingOperator
+from dsgd.trainer.replica import OperatorReplica, validate_share
+
+logger = logging.getLogger("dsgd")
+
+PRECISIONS = {False: None, True: "mixed_float16", "float16": "mixed_float16",
+              "bfloat16": "mixed_bfloat16"}
+OWN = "own"  # data read by each replica itself (tf.data)
+
+
+class Trainer:
+    """Train a `TrainingOperator` on `num_workers` workers x `devices_per_worker`
+    replicas.
+
+    Args:
+        training_operator_cls: a `dsgd.TrainingOperator` subclass.
+        num_workers, devices_per_worker, use_gpu, strategy: as `DistributedSGD`'s.
+        config: passed to the operator's `setup`; `config[dsgd.BATCH_SIZE]` is
+            the global batch size, divided among all replicas (ValueError if it
+            does not divide); the operator sees the per-replica batch there.
+        use_fp16: False; True (or "float16"): Keras `mixed_float16` with loss
+            scaling (the optimizers are wrapped in `LossScaleOptimizer`, dsgd
+            scales the loss, steps that overflow are skipped by every replica
+            alike); "bfloat16": `mixed_bfloat16` (no scaling; the useful one
+            on CPU). Variables stay float32 either way.
+        initialization_hook: called with no arguments in every worker process
+            before `setup` (e.g. to set environment variables).
+        logdir: write TensorBoard scalars there (train_loss, samples_per_s,
+            val_*) after every `train()`/`validate()`, step = epoch.
+        **engine_options: passed to `DistributedSGD` (`step_timeout_s`,
+            `max_failures`, ...). The Trainer turns on `replace_hung`.
+    Blocks while the workers start (each builds its operators).
+    """
+
+    def __init__(self, training_operator_cls: type, num_workers: int = 1, use_gpu: bool = False,
+                 devices_per_worker: int = 1, config: dict | None = None, strategy: str = "ps",
+                 use_fp16: bool | str = False, initialization_hook: Callable | None = None,
+                 logdir: str | None = None, **engine_options):
+        if not (isinstance(training_operator_cls, type)
+                and issubclass(training_operator_cls, TrainingOperator)):
+            raise TypeError("training_operator_cls must be a dsgd.TrainingOperator subclass, got "
+                            f"{training_operator_cls!r}")
+        if use_fp16 not in PRECISIONS:
+            raise ValueError(f"use_fp16 must be one of {list(PRECISIONS)}, got {use_fp16!r}")
+        if initialization_hook is not None and not callable(initialization_hook):
+            raise TypeError("initialization_hook must be callable or None")
+        if config is not None and not isinstance(config, dict):
+            raise TypeError(f"config must be a dict or None, got {type(config).__name__}")
+        self.config = dict(config or {})
+        self.num_workers, self.devices_per_worker = num_workers, devices_per_worker
+        self.operator_cls = training_operator_cls
+        self._replica_config = _replica_config(self.config, num_workers, devices_per_worker)
+        self.precision = PRECISIONS[use_fp16]
+        scaling = self.precision == "mixed_float16"
+        engine_options.setdefault("replace_hung", True)
+        if scaling:  # LossScaleOptimizer skips overflowing steps itself, on every replica alike
+            engine_options.setdefault("on_nonfinite", "ignore")
+        world = num_workers * devices_per_worker
+        creator = _ReplicaCreator(training_operator_cls, self._replica_config, devices_per_worker,
+                                  world, use_gpu, scaling)
+        self.sgd = DistributedSGD(creator, num_workers, devices_per_worker, gpu=use_gpu,
+                                  strategy=strategy,
+                                  worker_init=_WorkerInit(initialization_hook, self.precision),
+                                  **engine_options)
+        try:
+            train, validation = self.sgd.for_model(_registered_data)
+            self._train_data = self._driver_data(train, "train_data")
+            self._validation_data = self._driver_data(validation, "validation_data")
+        except BaseException:
+            self.sgd.shutdown()
+            raise
+        self.epoch = 0
+        self.logdir = logdir
+        self._writer = None
+        self._driver_operator = None
+
+    # -- training ----------------------------------------------------------------------------
+    def train(self, num_steps: int | None = None, dataset: Dataset | None = None,
+              profile: bool = False, reduce_results: bool = True, info: dict | None = None):
+        """One epoch (or `num_steps` steps) of the registered training data, or of
+        `dataset` (a `dsgd.Dataset`, as the seed's `train(dataset=...)`). Blocks;
+        a tqdm bar on a terminal. Returns {"epoch", "batch_count", "num_samples",
+        "train_loss", "last_train_loss", ...train_batch's metrics}, averaged over
+        batches (weighted by samples) then workers (weighted by samples), or one
+        such dict per worker with `reduce_results=False`; `profile=True` adds mean
+        seconds per step (mean_data_s, mean_compute_s, mean_exchange_s,
+        mean_apply_s, mean_step_s) and train_epoch_s. `info` (numbers) reaches
+        train_batch's batch_info (a change retraces the compiled step)."""
+        self.epoch += 1
+        epoch = self.epoch
+        changed = self.sgd.foreach_model(lambda m: m.start_epoch(epoch, info))
+        if any(changed):
+            self.sgd.foreach_worker(lambda w: w.replicas.retrace())
+        data = dataset if dataset is not None else self._train_data
+        if data is None:
+            raise ValueError("nothing to train on: register_data(train_data=...) in setup, or "
+                             "pass dataset= to train()")
+        summary = training.train(self.sgd, num_steps, None if isinstance(data, str) else data,
+                                 desc=f"epoch {epoch}")
+        result = results.train_results(summary, epoch, reduce_results, profile)
+        reduced = result if reduce_results else results.train_results(summary, epoch, True, False)
+        self._log({"train_loss": reduced["train_loss"],
+                   "samples_per_s": summary["samples_per_s"]})
+        return result
+
+    def validate(self, num_steps: int | None = None, profile: bool = False,
+                 reduce_results: bool = True, info: dict | None = None):
+        """The registered validation data, every example exactly once across the
+        workers (or at most `num_steps` batches per worker). Blocks. Returns
+        {"num_samples", "batch_count", "val_loss", "val_<metric>" for every
+        registered metric (over the whole set, from the metrics' summed states),
+        ...validate_batch's values averaged over samples, "last_<key>"}; one dict
+        per worker with `reduce_results=False`."""
+        if self._validation_data is None:
+            raise ValueError("no validation data: register_data(validation_data=...) in setup")
+        start = time.perf_counter()
+        self.sgd.foreach_model(lambda m: m.begin_validation(info))
+        tallies = self._run_each(validate_share, self._validation_sources, num_steps)
+        states = _sum_states([t["metric_states"] for t in tallies])
+        metrics = self.sgd.for_model(lambda m: m.metric_results(states)) if states else {}
+        result = results.validation_results(tallies, metrics, reduce_results,
+                                            time.perf_counter() - start, profile)
+        reduced = result if reduce_results else results.validation_results(
+            tallies, metrics, True, 0.0, False)
+        self._log({k: v for k, v in reduced.items() if k.startswith("val_")})
+        return result
+
+    # -- state -------------------------------------------------------------------------------
+    def save(self, path: str) -> str:
+        """Weights, optimizer state, epoch, data position and the operator's
+        `state_dict()`, written atomically by the driver (no shared file system
+        needed). Returns `path`."""
+        state = self.sgd.for_model(lambda m: m.operator.state_dict())
+        try:
+            json.dumps(state)
+        except TypeError as e:
+            raise TypeError(f"{self.operator_cls.__name__}.state_dict() must return JSON-"
+                            f"serialisable values (numbers, strings, lists, dicts): {e}") from None
+        return self.sgd.save_checkpoint(path, extra={"epoch": self.epoch, "operator": state})
+
+    def load(self, path: str) -> None:
+        """Restore what `save` wrote (any number of workers)."""
+        extra = self.sgd.restore_checkpoint(path) or {}
+        self.epoch = int(extra.get("epoch", 0))
+        state = extra.get("operator", {})
+        self.sgd.foreach_model(lambda m: m.operator.load_state_dict(state))
+
+    def get_model(self):
+        """The trained Keras model (a list with several models), built in this
+        process by the operator's `setup` and loaded with worker 0's weights."""
+        if self._driver_operator is None:
+            operator = self.operator_cls(self._replica_config, 0, 1, "/device:CPU:0")
+            operator.setup(self._replica_config)
+            self._driver_operator = operator
+        models = self._driver_operator._models
+        weights = self.sgd.for_model(lambda m: [np.array(v.numpy()) for v in m.get_state_variables()])
+        flat = [v for model in models for v in model.weights]
+        for variable, value in zip(flat, weights, strict=True):
+            variable.assign(value)
+        return models[0] if len(models) == 1 else list(models)
+
+    def shutdown(self) -> None:
+        """Stop the workers (save or get_model first). Idempotent."""
+        self.sgd.shutdown()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    @classmethod
+    def as_trainable(cls, training_operator_cls: type, **trainer_kwargs):
+        """A Ray Tune trainable (see dsgd/trainer/tune.py)."""
+        from dsgd.trainer.tune import trainable
+
+        return trainable(cls, training_operator_cls, **trainer_kwargs)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _driver_data(self, data, name: str):
+        """Registered data as the driver uses it: a dsgd.Dataset (a ray.data.Dataset
+        wrapped), OWN (tf.data: each replica reads its shard) or None. With
+        config[BATCH_SIZE], a dataset's batch size is the global one per worker."""
+        if data is None or isinstance(data, str):
+            return data
+        per_worker = None
+        if BATCH_SIZE in self.config:
+            per_worker = self.config[BATCH_SIZE] // self.num_workers
+        if is_ray_dataset(data):
+            return Dataset(data, batch_size=per_worker or 32 * self.devices_per_worker)
+        if isinstance(data, Dataset):
+            if per_worker:
+                data.batch_size = per_worker
+            return data
+        raise TypeError(f"register_data({name}=...) must be a dsgd.Dataset, a ray.data.Dataset "
+                        f"or a tf.data.Dataset, got {type(data).__name__}")
+
+    def _validation_sources(self) -> list[tuple]:
+        """One validation source per worker (dsgd/trainer/replica.py validate_share)."""
+        data, workers = self._validation_data, self.sgd.num_workers
+        if isinstance(data, str):
+            return [(OWN,)] * workers
+        if data.is_ray_data:  # not equal=True: that would drop rows
+            return [("ray", it, data.batch_size, data.transform)
+                    for it in data.data.streaming_split(workers, equal=False)]
+        stream = data._feed(self.sgd).stream
+        if stream.length is None:
+            raise ValueError("validation data must have a known length (not a generator)")
+        n, b = stream.length, data.batch_size
+        blocks = stream.ready(0, n, 0, self.sgd.step_timeout_s)
+        sources = []
+        for w in range(workers):
+            first, end = n * w // workers, n * (w + 1) // workers
+            batches = []
+            for start in range(first, end, b):
+                spans = stream.spans(start, min(b, end - start))
+                batches.append(RowSpans([blocks[k] for k, _, _ in spans],
+                                        [(lo, hi) for _, lo, hi in spans], start))
+            sources.append(("rows", batches, data.transform, self.sgd.step_timeout_s))
+        return sources
+
+    def _run_each(self, fn: Callable, sources: Callable[[], list], *args) -> list:
+        """fn(worker, source, *args) on every worker, one source each; a worker that
+        dies (or hangs, with replace_hung) is replaced and the whole call redone."""
+        from dsgd import recovery
+
+        while True:
+            workers = list(self.sgd.workers)
+            try:
+                refs = [w.run.remote(fn, source, *args) for w, source in zip(workers, sources())]
+                return self.sgd._wait(refs, workers, "validating", self.sgd.step_timeout_s)
+            except actor_died_errors() as e:
+                recovery.recover(self.sgd, e)
+            except StepTimeoutError as e:
+                if not self.sgd.replace_hung or not getattr(e, "late", None):
+                    raise
+                logger.warning("validation: killing hung actor(s) %s to replace them",
+                               ", ".join(self.sgd.actors.name(h) for h in e.late))
+                for handle in e.late:
+                    self.sgd.actors.kill(handle)
+                recovery.recover(self.sgd, e)
+
+    def _log(self, scalars: dict[str, Any]) -> None:
+        if not self.logdir:
+            return
+        import tensorflow as tf
+
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.logdir)
+        with self._writer.as_default():
+            for name, value in scalars.items():
+                if value is not None:
+                    tf.summary.scalar(name, float(value), step=self.epoch)
+        self._writer.flush()
+
+
+class _ReplicaCreator:
+    """model_creator of the Trainer's DistributedSGD (pickled to the workers)."""
+
+    def __init__(self, operator_cls, config, devices_per_worker, world_size, gpu, loss_scaling):
+        self.operator_cls, self.config = operator_cls, config
+        self.devices_per_worker, self.world_size = devices_per_worker, world_size
+        self.gpu, self.loss_scaling = gpu, loss_scaling
+
+    def __call__(self, worker_index: int, device_index: int) -> OperatorReplica:
+        device = f"/device:{'GPU' if self.gpu else 'CPU'}:{device_index}"
+        rank = worker_index * self.devices_per_worker + device_index
+        return OperatorReplica(self.operator_cls, dict(self.config), rank, self.world_size, device,
+                               self.loss_scaling)
+
+
+class _WorkerInit:
+    """worker_init of the Trainer's DistributedSGD: the user's hook, then the
+    Keras precision policy (per process, before any model is built)."""
+
+    def __init__(self, hook: Callable | None, precision: str | None):
+        self.hook, self.precision = hook, precision
+
+    def __call__(self) -> None:
+        if self.hook is not None:
+            self.hook()
+        if self.precision is not None:
+            import keras
+
+            keras.mixed_precision.set_global_policy(self.precision)
+
+
+def _registered_data(replica: OperatorReplica) -> tuple:
+    """(worker side) What the operator registered, as the driver can use it."""
+    import tensorflow as tf
+
+    def driver_side(data):
+        return OWN if isinstance(data, tf.data.Dataset) else data
+
+    return (driver_side(replica.operator._train_data),
+            driver_side(replica.operator._validation_data))
+
+
+def _replica_config(config: dict, num_workers: int, devices_per_worker: int) -> dict:
+    replica_config = dict(config)
+    if BATCH_SIZE in config:
+        batch, replicas = config[BATCH_SIZE], num_workers * devices_per_worker
+        if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+            raise ValueError(f"config[dsgd.BATCH_SIZE] must be a positive int, got {batch!r}")
+        if batch % replicas:
+            raise ValueError(f"config[dsgd.BATCH_SIZE]={batch} (the global batch) does not divide "
+                             f"among {num_workers} worker(s) x {devices_per_worker} device(s) = "
+                             f"{replicas} replicas; use a multiple of {replicas}")
+        replica_config[BATCH_SIZE] = batch // replicas
+    return replica_config
+
+
+def _sum_states(per_worker: list) -> list:
+    if not per_worker or not per_worker[0]:
+        return []
+    return [[sum(w[m][v] for w in per_worker) for v in range(len(per_worker[0][m]))]
+            for m in range(len(per_worker[0]))]

@@ -1,0 +1,168 @@
+"""dsgd.Trainer and TrainingOperator on the local Ray cluster: results equal a
+single-process Keras loop, per-worker results, save/load, get_model, TensorBoard,
+mixed precision, several models, creators, Ray Tune. (Failures:
+test_trainer_failures.py, without this module's long-lived workers, so that
+replacements find room.)"""
+
+import glob
+import os
+
+import numpy as np
+import pytest
+
+import dsgd
+import trainer_ops
+from trainer_ops import Classifier, Gan, TfDataClassifier, reference
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
+
+
+@pytest.mark.parametrize("operator", [Classifier, TfDataClassifier], ids=["dsgd.Dataset", "tf.data"])
+def test_results_equal_a_single_process_keras_loop(operator):
+    """2 workers, global batch 16: train() twice, validate(), against Keras in one process."""
+    with dsgd.Trainer(operator, num_workers=2, config={dsgd.BATCH_SIZE: 16}) as trainer:
+        results = [trainer.train() for _ in range(2)]
+        val = trainer.validate()
+        model = trainer.get_model()
+    losses, weights, val_loss, val_accuracy = reference(2, 16)
+    assert [r["epoch"] for r in results] == [1, 2]
+    assert all(r["num_samples"] == 64 and r["batch_count"] == 4 for r in results)
+    np.testing.assert_allclose([r["train_loss"] for r in results], losses, rtol=0, atol=1e-5)
+    assert val["num_samples"] == 30  # every validation example exactly once
+    np.testing.assert_allclose(val["val_loss"], val_loss, rtol=0, atol=1e-5)
+    assert val["val_accuracy"] == pytest.approx(val_accuracy, abs=1e-6)
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    vx, vy = trainer_ops.classification(30, 1)  # get_model()'s accuracy is the workers'
+    assert np.mean(np.argmax(model(vx), axis=1) == vy) == pytest.approx(val["val_accuracy"])
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("tensorboard")
+    with dsgd.Trainer(Classifier, num_workers=2, config={dsgd.BATCH_SIZE: 16, "lr": 0.2},
+                      logdir=str(logdir)) as trainer:
+        yield trainer
+
+
+def test_per_worker_results_and_profile(trainer):
+    per_worker = trainer.train(reduce_results=False, profile=True)
+    assert len(per_worker) == 2 and [r["num_samples"] for r in per_worker] == [32, 32]
+    for r in per_worker:
+        assert r["batch_count"] == 4 and r["epoch"] == trainer.epoch
+        assert r["mean_step_s"] > 0 and r["mean_compute_s"] > 0 and "mean_exchange_s" in r
+    reduced = trainer.train()
+    assert reduced["train_loss"] < np.mean([r["train_loss"] for r in per_worker])
+    val = trainer.validate(reduce_results=False)
+    assert sum(r["num_samples"] for r in val) == 30
+
+
+def test_save_then_load_in_a_new_trainer_validates_identically(trainer, tmp_path):
+    trainer.train()
+    path = trainer.save(str(tmp_path / "ckpt"))
+    before = trainer.validate()
+    with dsgd.Trainer(Classifier, num_workers=2, config={dsgd.BATCH_SIZE: 16}) as other:
+        other.load(path)
+        assert other.epoch == trainer.epoch
+        assert other.validate() == before
+        assert other.sgd.for_model(lambda m: m.operator.loaded) == trainer_ops.Classifier.state_dict(
+            trainer.sgd.for_model(lambda m: m.operator))
+
+
+def test_tensorboard_scalars_are_read_back(trainer):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    train = trainer.train()
+    val = trainer.validate()
+    events = EventAccumulator(trainer.logdir)
+    events.Reload()
+    tags = set(events.Tags()["tensors"])
+    assert {"train_loss", "samples_per_s", "val_loss", "val_accuracy"} <= tags
+    import tensorflow as tf
+
+    def last(tag):
+        event = events.Tensors(tag)[-1]
+        return event.step, float(tf.make_ndarray(event.tensor_proto))
+
+    assert last("train_loss") == (trainer.epoch, pytest.approx(train["train_loss"], rel=1e-6))
+    assert last("val_accuracy") == (trainer.epoch, pytest.approx(val["val_accuracy"], rel=1e-6))
+
+
+@pytest.mark.parametrize("use_fp16", [True, "bfloat16"], ids=["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_trains_and_keeps_replicas_identical(use_fp16):
+    config = {dsgd.BATCH_SIZE: 32, "lr": 0.5, "train_n": 512}
+    with dsgd.Trainer(Classifier, num_workers=1, devices_per_worker=2, use_fp16=use_fp16,
+                      config=config) as trainer:
+        for _ in range(4):
+            trainer.train()
+        val = trainer.validate()
+        dtypes = trainer.sgd.for_model(
+            lambda m: (m.operator.model.layers[0].compute_dtype,
+                       [str(v.dtype) for v in m.get_variables()]))
+        a, b = trainer.sgd.foreach_model(lambda m: m.get_weights())
+    assert dtypes[0] == ("float16" if use_fp16 is True else "bfloat16")  # compute dtype
+    assert set(dtypes[1]) == {"float32"}
+    assert val["val_accuracy"] > 0.75
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_two_models_two_optimizers():
+    with dsgd.Trainer(Gan, num_workers=2) as trainer:
+        before = trainer.get_model()
+        before = [m.get_weights() for m in before]
+        result = trainer.train()
+        after = [m.get_weights() for m in trainer.get_model()]
+        replicas = trainer.sgd.foreach_model(lambda m: m.get_weights())
+    assert result["num_samples"] == 64 and {"loss_d", "loss_g", "train_loss"} <= set(result)
+    for old, new in zip(before, after):  # both models were trained
+        assert any(not np.array_equal(x, y) for x, y in zip(old, new))
+    for x, y in zip(*replicas):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_from_creators():
+    def model_creator(config):
+        return trainer_ops.build_model()
+
+    def optimizer_creator(model, config):
+        import keras
+
+        return keras.optimizers.SGD(config["lr"])
+
+    def data_creator(config):
+        x, y = trainer_ops.classification(64, 0)
+        return dsgd.Dataset(list(zip(x, y))), None
+
+    operator = dsgd.TrainingOperator.from_creators(
+        model_creator, optimizer_creator, data_creator, loss_creator=lambda c: "sparse_categorical_crossentropy")
+    with dsgd.Trainer(operator, num_workers=1, config={"lr": 0.1, dsgd.BATCH_SIZE: 16}) as trainer:
+        result = trainer.train()
+    assert result["num_samples"] == 64 and np.isfinite(result["train_loss"])
+
+
+def test_bad_arguments_fail_before_any_worker():
+    with pytest.raises(ValueError, match=r"BATCH_SIZE\]=10 \(the global batch\) does not divide "
+                                         r"among 2 worker\(s\) x 2 device\(s\) = 4 replicas"):
+        dsgd.Trainer(Classifier, num_workers=2, devices_per_worker=2, config={dsgd.BATCH_SIZE: 10})
+    with pytest.raises(TypeError, match="training_operator_cls must be a dsgd.TrainingOperator"):
+        dsgd.Trainer(object)
+    with pytest.raises(ValueError, match="use_fp16 must be one of"):
+        dsgd.Trainer(Classifier, use_fp16="int8")
+
+
+def test_ray_tune_runs_two_trials(tmp_path):
+    from ray import tune
+
+    trainable = dsgd.Trainer.as_trainable(Classifier, num_workers=1,
+                                          config={dsgd.BATCH_SIZE: 16})
+    tuner = tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.05, 0.2])},
+                       run_config=tune.RunConfig(stop={"training_iteration": 2},
+                                                 storage_path=str(tmp_path), verbose=0))
+    results = tuner.fit()
+    assert len(results) == 2 and not results.errors
+    for result in results:
+        assert result.metrics["training_iteration"] == 2 and result.metrics["epoch"] == 2
+        assert 0 <= result.metrics["val_accuracy"] <= 1 and result.metrics["num_samples"] == 30
+    best = results.get_best_result(metric="val_loss", mode="min")
+    assert best.config["lr"] in (0.05, 0.2)

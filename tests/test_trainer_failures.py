@@ -1,0 +1,24 @@
+"""A Trainer whose worker is SIGKILLed or hangs mid-epoch: the engine replaces it
+(replace_hung, which the Trainer turns on) and the epoch completes."""
+
+import os
+
+import numpy as np
+import pytest
+
+import dsgd
+from trainer_ops import FlakyClassifier
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
+
+
+@pytest.mark.parametrize("action", ["kill", "hang"])
+def test_a_dead_or_hung_worker_is_replaced_and_the_epoch_completes(action, tmp_path):
+    config = {dsgd.BATCH_SIZE: 16, "action": action, "marker": str(tmp_path / "marker")}
+    with dsgd.Trainer(FlakyClassifier, num_workers=2, config=config, step_timeout_s=10) as trainer:
+        result = trainer.train()
+        assert os.path.exists(config["marker"]) and len(trainer.sgd.failures) == 1
+        assert result["num_samples"] == 64 and result["batch_count"] == 4
+        a, b = trainer.sgd.foreach_model(lambda m: m.get_weights())
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)

@@ -1,0 +1,158 @@
+"""Training operators for the Trainer tests (pickled by value to the workers)."""
+
+import numpy as np
+
+import dsgd
+
+IN, HIDDEN, CLASSES = 5, 7, 3
+
+
+def classification(n: int, seed: int):
+    """(x float32 [n, IN], y int64 [n]): labels from a fixed linear rule."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, IN)).astype(np.float32)
+    w = np.random.default_rng(99).normal(size=(IN, CLASSES))
+    return x, np.argmax(x @ w, axis=1).astype(np.int64)
+
+
+def build_model(seed: int = 0):
+    import keras
+
+    init = lambda k: keras.initializers.GlorotUniform(seed=seed + k)  # noqa: E731
+    return keras.Sequential([keras.Input((IN,)),
+                             keras.layers.Dense(HIDDEN, activation="tanh", kernel_initializer=init(0)),
+                             keras.layers.Dense(CLASSES, kernel_initializer=init(1))])
+
+
+class Classifier(dsgd.TrainingOperator):
+    """A small classifier on dsgd.Datasets: 64 training and 30 validation examples."""
+
+    def setup(self, config):
+        import keras
+
+        model = build_model()
+        optimizer = keras.optimizers.SGD(config.get("lr", 0.1))
+        self.model_, self.optimizer_ = self.register(
+            models=model, optimizers=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")])
+        x, y = classification(config.get("train_n", 64), 0)
+        vx, vy = classification(30, 1)
+        self.register_data(train_data=dsgd.Dataset(list(zip(x, y))),
+                           validation_data=dsgd.Dataset(list(zip(vx, vy)), batch_size=4))
+        self.seen = 0
+
+    def state_dict(self):
+        return {"note": "classifier", "lr": self.config.get("lr", 0.1)}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+class TfDataClassifier(Classifier):
+    """The same, fed by tf.data pipelines built in setup (each replica reads its shard)."""
+
+    def setup(self, config):
+        import tensorflow as tf
+
+        super().setup(config)
+        x, y = classification(config.get("train_n", 64), 0)
+        vx, vy = classification(30, 1)
+        batch = config[dsgd.BATCH_SIZE]
+        self.register_data(
+            train_data=tf.data.Dataset.from_tensor_slices((x, y)).batch(batch),
+            validation_data=tf.data.Dataset.from_tensor_slices((vx, vy)).batch(4))
+
+
+def reference(epochs: int, global_batch: int, train_n: int = 64, lr: float = 0.1):
+    """Single-process Keras: the same model and data, batches in order. Returns
+    (per-epoch mean loss before each update, weights, val loss, val accuracy)."""
+    import keras
+    import tensorflow as tf
+
+    model = build_model()
+    optimizer = keras.optimizers.SGD(lr)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = classification(train_n, 0)
+    epoch_losses = []
+    for _ in range(epochs):
+        losses = []
+        for start in range(0, train_n, global_batch):
+            xb, yb = x[start:start + global_batch], y[start:start + global_batch]
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(loss_fn(yb, model(xb, training=True)))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            losses.append(float(loss))
+        epoch_losses.append(float(np.mean(losses)))
+    vx, vy = classification(30, 1)
+    logits = model(vx, training=False)
+    val_loss = float(np.mean(loss_fn(vy, logits)))
+    val_accuracy = float(np.mean(np.argmax(logits, axis=1) == vy))
+    return epoch_losses, model.get_weights(), val_loss, val_accuracy
+
+
+class Misbehave:
+    """A transform that, once (marker file created exclusively), on its `at`-th
+    batch SIGKILLs its worker or sleeps for an hour in it."""
+
+    def __init__(self, action: str, marker: str, at: int):
+        self.action, self.marker, self.at, self.calls = action, marker, at, 0
+
+    def __call__(self, batch):
+        import os
+        import signal
+        import time
+
+        self.calls += 1
+        if self.calls == self.at:
+            try:
+                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                return batch
+            if self.action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(3600)
+        return batch
+
+
+class FlakyClassifier(Classifier):
+    def setup(self, config):
+        super().setup(config)
+        x, y = classification(64, 0)
+        self.register_data(train_data=dsgd.Dataset(
+            list(zip(x, y)), transform=Misbehave(config["action"], config["marker"], 3)))
+
+
+class Gan(dsgd.TrainingOperator):
+    """Two models, two optimizers, one train_batch computing both losses (the
+    seed's DCGAN case, tiny): a generator of 2-vectors against a discriminator."""
+
+    def setup(self, config):
+        import keras
+
+        generator = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="relu"),
+                                      keras.layers.Dense(2)])
+        discriminator = keras.Sequential([keras.Input((2,)),
+                                          keras.layers.Dense(8, activation="relu"),
+                                          keras.layers.Dense(1)])
+        self.discriminator, self.generator = discriminator, generator
+        self.register(models=(discriminator, generator),
+                      optimizers=(keras.optimizers.Adam(1e-2), keras.optimizers.Adam(1e-2)))
+        real = np.random.default_rng(0).normal(loc=2.0, size=(64, 2)).astype(np.float32)
+        self.register_data(train_data=dsgd.Dataset(list(real), batch_size=8))
+
+    def train_batch(self, batch, batch_info):
+        import keras
+        import tensorflow as tf
+
+        bce = keras.losses.BinaryCrossentropy(from_logits=True)
+        noise = tf.random.stateless_normal([tf.shape(batch)[0], 3],
+                                           seed=tf.stack([batch_info["epoch"], batch_info["batch_idx"]]))
+        fake = self.generator(noise, training=True)
+        real_logits = self.discriminator(batch, training=True)
+        fake_logits = self.discriminator(fake, training=True)
+        loss_d = (bce(tf.ones_like(real_logits), real_logits)
+                  + bce(tf.zeros_like(fake_logits), tf.stop_gradient(fake_logits))) / 2
+        loss_g = bce(tf.ones_like(fake_logits), fake_logits)
+        return {"loss": (loss_d, loss_g), "loss_d": loss_d, "loss_g": loss_g}
