@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 import pytest
 
 from dsgd.examples import identity, mnist, recovery
@@ -55,3 +57,34 @@ def test_mnist_example_from_png_files(capsys, tmp_path_factory, source):
     pngs = sorted(directory.glob("*/*.png"))
     assert len(pngs) == 4000 and (directory / "7").is_dir()
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+
+
+def test_trainer_mnist_example_trains_saves_and_reloads(capsys, tmp_path):
+    from dsgd.examples import trainer_mnist
+
+    result = trainer_mnist.main(["--epochs", "1", "--logdir", str(tmp_path)])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert result["val_accuracy"] > 0.8
+    # The second Trainer loaded the checkpoint and the driver's model agrees.
+    assert result["reloaded_val_accuracy"] == pytest.approx(result["val_accuracy"], abs=1e-6)
+    assert result["get_model_accuracy"] == pytest.approx(result["val_accuracy"], abs=2e-3)
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+
+
+def test_dcgan_example_trains_two_models_and_saves_digits(capsys, tmp_path):
+    from dsgd.examples import dcgan
+
+    out = tmp_path / "digits.png"
+    result = dcgan.main(["--epochs", "1", "--out", str(out)])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert out.stat().st_size > 1000 and result["epochs"][0]["epoch"] == 1
+    assert np.isfinite(result["epochs"][0]["loss_d"]) and np.isfinite(result["epochs"][0]["loss_g"])
+
+
+def test_tune_mnist_example_runs_its_trials(capsys):
+    from dsgd.examples import tune_mnist
+
+    result = tune_mnist.main(["--lrs", "1e-3", "--iterations", "1"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert len(result["trials"]) == 1 and result["trials"][0]["epochs"] == 1
+    assert result["best_val_accuracy"] > 0.5

@@ -153,6 +153,6 @@ class Gan(dsgd.TrainingOperator):
         real_logits = self.discriminator(batch, training=True)
         fake_logits = self.discriminator(fake, training=True)
         loss_d = (bce(tf.ones_like(real_logits), real_logits)
-                  + bce(tf.zeros_like(fake_logits), tf.stop_gradient(fake_logits))) / 2
+                  + bce(tf.zeros_like(fake_logits), fake_logits)) / 2
         loss_g = bce(tf.ones_like(fake_logits), fake_logits)
         return {"loss": (loss_d, loss_g), "loss_d": loss_d, "loss_g": loss_g}
