@@ -37,12 +37,26 @@ def test_results_equal_a_single_process_keras_loop(operator):
     assert np.mean(np.argmax(model(vx), axis=1) == vy) == pytest.approx(val["val_accuracy"])
 
 
+def mark_process():
+    import os
+
+    os.environ["DSGD_TEST_HOOK"] = "ran before setup"
+
+
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     logdir = tmp_path_factory.mktemp("tensorboard")
     with dsgd.Trainer(Classifier, num_workers=2, config={dsgd.BATCH_SIZE: 16, "lr": 0.2},
-                      logdir=str(logdir)) as trainer:
+                      logdir=str(logdir), initialization_hook=mark_process) as trainer:
         yield trainer
+
+
+def test_initialization_hook_ran_in_every_worker(trainer):
+    import os
+
+    assert trainer.sgd.foreach_worker(lambda w: os.environ.get("DSGD_TEST_HOOK")) == \
+        ["ran before setup"] * 2
+    assert os.environ.get("DSGD_TEST_HOOK") is None  # not in the driver
 
 
 def test_per_worker_results_and_profile(trainer):
