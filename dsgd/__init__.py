@@ -17,6 +17,15 @@ from dsgd.trainer import BATCH_SIZE, Trainer, TrainingOperator  # noqa: E402
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """`dsgd.train` (the Ray Train backend, which imports Ray Train) loads on first use."""
+    if name == "train":
+        import importlib
+
+        return importlib.import_module("dsgd.train")
+    raise AttributeError(f"module 'dsgd' has no attribute {name!r}")
+
 __all__ = [
     "DistributedSGD",
     "Dataset",

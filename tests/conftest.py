@@ -13,11 +13,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # inherited by Ray's worker 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import counting  # noqa: E402
+import raytrain_loops  # noqa: E402
 import tiny  # noqa: E402
 import trainer_ops  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
-for _helper in (tiny, counting, trainer_ops):
+for _helper in (tiny, counting, trainer_ops, raytrain_loops):
     cloudpickle.register_pickle_by_value(_helper)
 
 

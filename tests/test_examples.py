@@ -88,3 +88,13 @@ def test_tune_mnist_example_runs_its_trials(capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert len(result["trials"]) == 1 and result["trials"][0]["epochs"] == 1
     assert result["best_val_accuracy"] > 0.5
+
+
+def test_raytrain_mnist_example_fits_with_model_fit(capsys, tmp_path):
+    from dsgd.examples import raytrain_mnist
+
+    result = raytrain_mnist.main(["--epochs", "1", "--storage-path", str(tmp_path)])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert len(result["epochs"]) == 1 and result["epochs"][0]["world_size"] == 2
+    assert result["epochs"][0]["samples"] == 2000  # each worker's equal share of 4,000
+    assert result["test_accuracy"] > 0.8

@@ -2,7 +2,8 @@
 batch and worker counts, in one run: one JSON file and one PNG chart.
 
     python benchmarks/peers/run.py [--configs comm compute] [--workers 1 2] [--steps 10]
-        [--peers plain_tf dsgd_simple dsgd_ps mwms pss horovod] [--out benchmarks/results/peers.json]
+        [--peers plain_tf dsgd_simple dsgd_ps mwms pss dsgd_raytrain horovod]
+        [--out benchmarks/results/peers.json]
 
 Every peer runs in fresh processes (`python benchmarks/peers/<peer>.py ...`), one at a
 time, each with a timeout. Horovod is optional (`bash benchmarks/peers/setup_horovod.sh`);
@@ -32,6 +33,7 @@ PEERS = {  # name: (label, script, extra args, synchronous)
     "dsgd_ps": ("dsgd ps", "dsgd_peer.py", ["--strategy", "ps"], True),
     "mwms": ("TF MultiWorkerMirrored", "mwms.py", [], True),
     "pss": ("TF ParameterServer (async)", "pss.py", [], False),
+    "dsgd_raytrain": ("dsgd Ray Train (DistributedGradientTape)", "dsgd_raytrain.py", [], True),
     "horovod": ("Horovod 0.28.1 Gloo", "horovod_peer.py", [], True),
 }
 

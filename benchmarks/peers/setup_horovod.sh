@@ -17,7 +17,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 "$PY" -c "import tensorflow as tf; print('building Horovod $VERSION against TensorFlow', tf.__version__)"
-"$PY" -m pip install --quiet cmake setuptools wheel cloudpickle psutil pyyaml packaging
+# CMake 4 refuses the cmake_minimum_required(<3.5) of the Gloo Horovod vendors.
+"$PY" -m pip install --quiet "cmake<4" setuptools wheel cloudpickle psutil pyyaml packaging
 "$PY" -m pip download --quiet "horovod==$VERSION" --no-deps --no-binary :all: -d "$work"
 tar xzf "$work/horovod-$VERSION.tar.gz" -C "$work"
 src="$work/horovod-$VERSION"

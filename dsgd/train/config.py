@@ -1,0 +1,97 @@
+"""`DsgdConfig` and its Ray Train `Backend`: start the PS actors when Ray Train
+starts (or restarts) its worker group, tell every worker where they are, and
+stop them when the group shuts down."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+from ray.train.backend import Backend, BackendConfig
+
+from dsgd import constants
+
+logger = logging.getLogger("dsgd")
+
+
+@dataclass
+class DsgdConfig(BackendConfig):
+    """dsgd's Ray Train backend.
+
+    Args:
+        num_ps: PS actors (default: one per worker), each pinned beside a worker
+            (PS j on worker j's node), taking no CPU slot.
+        grad_shard_bytes: largest gradient shard, as the engine's.
+        devices_per_worker: devices each Ray Train worker trains on; only 1 is
+            supported here (the engine, `dsgd.DistributedSGD`, drives several).
+        timeout_s: longest wait of one exchange, in seconds; then an error names
+            the PS actor or the ranks that did not answer.
+    """
+
+    num_ps: int | None = None
+    grad_shard_bytes: int = constants.DEFAULT_GRAD_SHARD_BYTES
+    devices_per_worker: int = 1
+    timeout_s: float = constants.DEFAULT_STEP_TIMEOUT_S
+
+    def __post_init__(self):
+        for name in ("grad_shard_bytes", "devices_per_worker"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DsgdConfig: {name} must be a positive int, got {value!r}")
+        if self.num_ps is not None and (isinstance(self.num_ps, bool)
+                                        or not isinstance(self.num_ps, int) or self.num_ps < 1):
+            raise ValueError(f"DsgdConfig: num_ps must be a positive int or None, got {self.num_ps!r}")
+        if self.devices_per_worker != 1:
+            raise ValueError("DsgdConfig: devices_per_worker must be 1: a Ray Train worker trains "
+                             "one replica (ask ScalingConfig for more workers; dsgd.DistributedSGD "
+                             "drives several devices per worker)")
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"DsgdConfig: timeout_s must be a positive number, got {self.timeout_s!r}")
+
+    @property
+    def backend_cls(self):
+        return DsgdBackend
+
+
+class DsgdBackend(Backend):
+    """on_start: PS actors named dsgd-ps-<j>-<run id>, then the exchange context
+    installed in every worker; on_shutdown: the PS actors killed."""
+
+    def __init__(self):
+        self.ps: list = []
+
+    def on_start(self, worker_group, backend_config: DsgdConfig) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from dsgd.train.exchange import install
+        from dsgd.train.ps import RendezvousPS
+
+        self.on_shutdown(worker_group, backend_config)  # a restart: the old ones are useless
+        workers = worker_group.get_workers()
+        num_ps = backend_config.num_ps or len(workers)
+        run = uuid.uuid4().hex[:6]
+        names = [f"{constants.PS_NAME_PREFIX}{j}-{run}" for j in range(num_ps)]
+        remote = ray.remote(RendezvousPS)
+        self.ps = [remote.options(
+            name=name, num_cpus=constants.PS_NUM_CPUS, runtime_env=constants.ACTOR_RUNTIME_ENV,
+            max_concurrency=1000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(
+                workers[j % len(workers)].metadata.node_id, soft=False)).remote(
+            j, backend_config.timeout_s) for j, name in enumerate(names)]
+        ray.get([p.ready.remote() for p in self.ps], timeout=backend_config.timeout_s)
+        worker_group.execute(install, self.ps, names, backend_config.grad_shard_bytes,
+                             backend_config.timeout_s)
+        logger.info("dsgd.train: %d PS actor(s) for %d worker(s): %s", num_ps, len(workers),
+                    ", ".join(names))
+
+    def on_shutdown(self, worker_group, backend_config: DsgdConfig) -> None:
+        import ray
+
+        for handle in self.ps:
+            try:
+                ray.kill(handle)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        self.ps = []

@@ -1,0 +1,101 @@
+"""Training loops run inside Ray Train's workers by tests/test_raytrain.py
+(pickled by value, like tiny.py)."""
+
+import os
+
+import numpy as np
+
+import tiny
+
+
+def exactness_loop(config):
+    """Shards, ranks, DistributedGradientTape (SGD+momentum, Adam, in tf.function)
+    and DistributedOptimizer + model.fit; every worker saves what it saw and its
+    weights under config["out"]; rank 0 reports metrics and a checkpoint."""
+    import ray.train
+    import tensorflow as tf
+
+    import dsgd.train as dt
+
+    out, context = config["out"], ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    ids = [int(i) for batch in ray.train.get_dataset_shard("train").iter_batches(batch_size=7)
+           for i in batch["id"]]
+    saved = {"ids": np.array(ids), "world": np.array(world)}
+    for name in ("sgdm", "adam"):
+        model, optimizer = tiny.make_keras_model(seed=rank), tiny.make_optimizer(name)
+        dt.broadcast_variables(model.trainable_variables, root_rank=0)
+        saved[f"{name}_initial_0"] = model.get_weights()[0]
+
+        @tf.function
+        def step(x, y, model=model, optimizer=optimizer):
+            with tf.GradientTape() as tape:
+                loss = tiny.mse(model, x, y)
+            grads = dt.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        for t in range(config["steps"]):
+            step(*tiny.make_batch(rank, t, config["batch"]))
+        for k, w in enumerate(model.get_weights()):
+            saved[f"{name}_{k}"] = w
+    # Keras fit: the model compiled with DistributedOptimizer, batches in order.
+    model = tiny.make_keras_model(seed=rank)
+    dt.broadcast_variables(model.trainable_variables, root_rank=0)
+    model.compile(optimizer=dt.DistributedOptimizer(tiny.make_optimizer("sgdm")), loss="mse")
+    batches = [tiny.make_batch(rank, t, config["batch"]) for t in range(config["steps"])]
+    history = model.fit(np.concatenate([b[0] for b in batches]),
+                        np.concatenate([b[1] for b in batches]),
+                        batch_size=config["batch"], epochs=1, shuffle=False, verbose=0)
+    for k, w in enumerate(model.get_weights()):
+        saved[f"fit_{k}"] = w
+    np.savez(os.path.join(out, f"rank{rank}.npz"), **saved)
+    checkpoint = None
+    if rank == 0:
+        directory = os.path.join(out, "checkpoint")
+        os.makedirs(directory, exist_ok=True)
+        np.savez(os.path.join(directory, "weights.npz"), *model.get_weights())
+        checkpoint = ray.train.Checkpoint.from_directory(directory)
+    ray.train.report({"fit_loss": float(history.history["loss"][-1]), "world": world},
+                     checkpoint=checkpoint)
+
+
+def resuming_loop(config):
+    """4 epochs of one step each, a checkpoint reported after each; resumes from
+    Ray Train's checkpoint after a restart. Rank 1 SIGKILLs itself at epoch 2,
+    once (config["marker"])."""
+    import signal
+    import tempfile
+
+    import ray.train
+    import tensorflow as tf
+
+    import dsgd.train as dt
+
+    rank = ray.train.get_context().get_world_rank()
+    model, optimizer = tiny.make_keras_model(seed=0), tiny.make_optimizer("sgdm")
+    optimizer.build(model.trainable_variables)
+    start = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            state = np.load(os.path.join(directory, "state.npz"))
+            model.set_weights([state[f"w{k}"] for k in range(len(model.weights))])
+            for k, v in enumerate(optimizer.variables):
+                v.assign(state[f"o{k}"])
+            start = int(state["epoch"]) + 1
+    for epoch in range(start, 4):
+        if epoch == 2 and rank == 1 and not os.path.exists(config["marker"]):
+            open(config["marker"], "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        with tf.GradientTape() as tape:
+            loss = tiny.mse(model, *tiny.make_batch(rank, epoch, 4))
+        grads = dt.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        with tempfile.TemporaryDirectory() as directory:
+            state = {f"w{k}": w for k, w in enumerate(model.get_weights())}
+            state.update({f"o{k}": v.numpy() for k, v in enumerate(optimizer.variables)})
+            np.savez(os.path.join(directory, "state.npz"), epoch=epoch, **state)
+            ray.train.report({"epoch": epoch, "loss": float(loss), "resumed_from": start},
+                             checkpoint=ray.train.Checkpoint.from_directory(directory)
+                             if rank == 0 else None)

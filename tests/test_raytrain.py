@@ -1,0 +1,98 @@
+"""dsgd as a Ray Train backend, with 2 Ray Train workers on the local cluster:
+shards, ranks, exact DistributedGradientTape and DistributedOptimizer +
+model.fit, the Result, a SIGKILL restart, and no PS actor left behind."""
+
+import numpy as np
+import pytest
+import ray
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+
+import dsgd.train as dt
+import raytrain_loops
+import tiny
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
+
+STEPS, BATCH, ROWS = 3, 4, 40
+
+
+def dsgd_ps_actors():
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("dsgd-ps-")]
+
+
+def test_shards_ranks_and_exact_gradients(tmp_path):
+    trainer = dt.DsgdTrainer(raytrain_loops.exactness_loop,
+                             train_loop_config={"out": str(tmp_path), "steps": STEPS, "batch": BATCH},
+                             scaling_config=ScalingConfig(num_workers=2),
+                             run_config=RunConfig(storage_path=str(tmp_path / "runs"), name="exact"),
+                             datasets={"train": ray.data.range(ROWS)})
+    result = trainer.fit()
+    assert result.error is None and result.metrics["world"] == 2
+    assert result.checkpoint is not None and np.isfinite(result.metrics["fit_loss"])
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    # get_dataset_shard: disjoint shards that cover the dataset.
+    a, b = (set(r["ids"].tolist()) for r in ranks)
+    assert not a & b and a | b == set(range(ROWS)) and int(ranks[0]["world"]) == 2
+    for name in ("sgdm", "adam"):
+        np.testing.assert_array_equal(ranks[1][f"{name}_initial_0"], ranks[0][f"{name}_initial_0"])
+        initial = tiny.make_keras_model(seed=0).get_weights()  # rank 0's, broadcast
+        expected, _ = tiny.reference_run(initial, 2, BATCH, STEPS, name)
+        for k, want in enumerate(expected):
+            np.testing.assert_allclose(ranks[0][f"{name}_{k}"], want, rtol=0, atol=1e-5)
+            np.testing.assert_array_equal(ranks[1][f"{name}_{k}"], ranks[0][f"{name}_{k}"])
+    # model.fit with DistributedOptimizer: as SGD+momentum on the concatenated batches.
+    expected, _ = tiny.reference_run(tiny.make_keras_model(seed=0).get_weights(), 2, BATCH, STEPS,
+                                     "sgdm")
+    for k, want in enumerate(expected):
+        np.testing.assert_allclose(ranks[0][f"fit_{k}"], want, rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(ranks[1][f"fit_{k}"], ranks[0][f"fit_{k}"])
+    assert not dsgd_ps_actors()
+
+
+def test_a_worker_killed_mid_fit_restarts_from_the_checkpoint(tmp_path):
+    marker = tmp_path / "killed"
+    trainer = dt.DsgdTrainer(raytrain_loops.resuming_loop,
+                             train_loop_config={"marker": str(marker)},
+                             scaling_config=ScalingConfig(num_workers=2),
+                             run_config=RunConfig(storage_path=str(tmp_path / "runs"), name="restart",
+                                                  failure_config=FailureConfig(max_failures=1)))
+    result = trainer.fit()
+    assert marker.exists() and result.error is None
+    # Restarted from a reported checkpoint (which one: Ray Train's latest registered,
+    # epoch 0 or 1), not from scratch, and ran to the end.
+    assert result.metrics["epoch"] == 3 and result.metrics["resumed_from"] in (1, 2)
+    assert not dsgd_ps_actors()
+
+
+def test_a_dead_ps_is_an_error_naming_it():
+    from dsgd.errors import DsgdError
+    from dsgd.train import exchange
+    from dsgd.train.ps import RendezvousPS
+
+    ps = ray.remote(RendezvousPS).options(num_cpus=0).remote(0, 5.0)
+    ray.get(ps.ready.remote(), timeout=60)
+    ray.kill(ps)
+    ref = ps.broadcast.remote(0, 0, 2, 0, [np.zeros(3)])
+    context = {"names": ["dsgd-ps-0-abc"], "timeout_s": 30.0}
+    with pytest.raises(DsgdError, match=r"exchange 7: PS actor dsgd-ps-0-abc died .*FailureConfig"):
+        exchange._get(context, [ref], [0], "exchange 7")
+
+
+def test_a_missing_rank_times_out_naming_it():
+    from dsgd.train.ps import RendezvousPS
+
+    ps = ray.remote(RendezvousPS).options(num_cpus=0).remote(3, 1.0)
+    with pytest.raises(ray.exceptions.RayTaskError,
+                       match=r"dsgd PS 3: broadcast 0: rank\(s\) \[0\] of 2 did not arrive"):
+        ray.get(ps.broadcast.remote(0, 1, 2, 0, None), timeout=60)
+    ray.kill(ps)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="devices_per_worker must be 1"):
+        dt.DsgdConfig(devices_per_worker=2)
+    with pytest.raises(ValueError, match="num_ps must be a positive int or None"):
+        dt.DsgdConfig(num_ps=0)
+    with pytest.raises(TypeError, match="dsgd_config must be a dsgd.train.DsgdConfig"):
+        dt.DsgdTrainer(lambda: None, dsgd_config={"num_ps": 1})
