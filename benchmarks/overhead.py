@@ -1,7 +1,9 @@
 """What one dsgd worker costs over a plain single-process `tf.function` step of
 the same model, measured interleaved: rounds of `--per-round` plain steps (in
 this process) then as many `sgd.step()` calls (1 worker actor), so both see the
-same machine state; medians over all rounds.
+same machine state; medians over all rounds. Each round also times one
+`sgd.train(num_steps=--train-steps)` call (which keeps the next step in flight)
+against as many plain steps: the median over rounds of their mean step times.
 
     python benchmarks/overhead.py [--models resnet50_64 mnist_cnn] [--rounds 15] [--per-round 4]
 
@@ -70,6 +72,8 @@ def main(argv=None):
     p.add_argument("--models", nargs="+", choices=sorted(CREATORS), default=["resnet50_64", "mnist_cnn"])
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--per-round", type=int, default=4)
+    p.add_argument("--train-steps", type=int, default=16,
+                   help="steps of one sgd.train() call per round (and as many plain steps)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "overhead.json"))
     args = p.parse_args(argv)
     import ray
@@ -84,14 +88,23 @@ def main(argv=None):
         with dsgd.DistributedSGD(creator, 1, 1, gpu=False, num_cpus_per_worker=cpus) as sgd:
             timed(plain, 3)
             timed(sgd.step, 3)
-            t_plain, t_dsgd = [], []
+            sgd.train(num_steps=3)
+            t_plain, t_dsgd, round_plain, round_train = [], [], [], []
             for r in range(args.rounds):
                 t_plain += timed(plain, args.per_round)
                 t_dsgd += timed(sgd.step, args.per_round)
+                # train(): the next step is submitted before this one's result is back.
+                round_train.append(timed(lambda: sgd.train(num_steps=args.train_steps), 1)[0]
+                                   / args.train_steps)
+                round_plain.append(sum(timed(plain, args.train_steps)) / args.train_steps)
                 print(f"{name} round {r + 1}/{args.rounds}", flush=True)
         row = {"model": name, "median_plain_s": statistics.median(t_plain),
-               "median_dsgd_1_worker_s": statistics.median(t_dsgd), "samples": len(t_plain)}
+               "median_dsgd_1_worker_s": statistics.median(t_dsgd), "samples": len(t_plain),
+               "train_steps_per_call": args.train_steps,
+               "median_plain_round_mean_s": statistics.median(round_plain),
+               "median_dsgd_train_round_mean_s": statistics.median(round_train)}
         row["ratio"] = row["median_dsgd_1_worker_s"] / row["median_plain_s"]
+        row["ratio_train"] = row["median_dsgd_train_round_mean_s"] / row["median_plain_round_mean_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"benchmark": "overhead", "machine": f"{platform.machine()}, {os.cpu_count()} cores",

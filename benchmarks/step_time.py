@@ -4,7 +4,9 @@
     python benchmarks/step_time.py [--steps 60] [--warmup 10] [--out benchmarks/results/step_time.json]
 
 Rows: plain TF (one replica, in this process), dsgd with 1 worker (no exchange),
-and dsgd with 2 workers under "simple" and "ps". Per-replica batch is the same
+and dsgd with 2 workers under "simple" and "ps". Each dsgd row also has an
+interleaved A/B of steps run one at a time (`step()`) against `train()`, which
+keeps the next step in flight. Per-replica batch is the same
 everywhere, so 2 workers do twice the work per step; on a 2-core machine they
 share the cores, so compare the exchange column, not raw step times.
 """
@@ -90,11 +92,24 @@ def plain_step_s(model_name: str, batch: int, steps: int, warmup: int) -> list[f
     return times
 
 
-def dsgd_step_s(model_name, batch, workers, strategy, steps, warmup):
+def dsgd_step_s(model_name, batch, workers, strategy, steps, warmup, rounds=6):
+    """Per-step stats of `sgd.step(fetch_stats=True)`, then, interleaved in
+    `rounds` rounds, steps of one at a time (`step()`) and of `train()` (which
+    submits each next step before the last one's result is back): the median
+    over rounds of each's mean step time."""
     with dsgd.DistributedSGD(make(model_name, batch), workers, 1, gpu=False, strategy=strategy) as sgd:
         stats = [sgd.step(fetch_stats=True) for _ in range(warmup + steps)][warmup:]
         grad_bytes = sum(s.nbytes for s in sgd.plan.shards)
-    return stats, grad_bytes
+        per_round = max(1, steps // rounds)
+        one_at_a_time, in_flight = [], []
+        sgd.train(num_steps=per_round)
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(per_round):
+                sgd.step()
+            one_at_a_time.append((time.perf_counter() - start) / per_round)
+            in_flight.append(sgd.train(num_steps=per_round)["train_s"] / per_round)
+    return stats, grad_bytes, statistics.median(one_at_a_time), statistics.median(in_flight)
 
 
 def main(argv=None):
@@ -114,14 +129,16 @@ def main(argv=None):
         rows.append({"model": model_name, "config": "plain tf.function, 1 replica", "workers": 1,
                      "median_step_s": plain, "ratio_to_plain": 1.0})
         for workers, strategy in ((1, "ps"), (2, "simple"), (2, "ps")):
-            stats, grad_bytes = dsgd_step_s(model_name, args.batch_size, workers, strategy,
-                                            args.steps, args.warmup)
+            stats, grad_bytes, one, ahead = dsgd_step_s(model_name, args.batch_size, workers,
+                                                        strategy, args.steps, args.warmup)
             med = {k: statistics.median(s[k] for s in stats)
                    for k in ("step_s", "compute_s", "exchange_s", "apply_s")}
             rows.append({"model": model_name, "config": f"dsgd {strategy}", "workers": workers,
                          "grad_bytes": grad_bytes, "median_step_s": med["step_s"],
                          "median_compute_s": med["compute_s"], "median_exchange_s": med["exchange_s"],
-                         "median_apply_s": med["apply_s"], "ratio_to_plain": med["step_s"] / plain})
+                         "median_apply_s": med["apply_s"], "ratio_to_plain": med["step_s"] / plain,
+                         "ab_step_one_at_a_time_s": one, "ab_train_step_in_flight_s": ahead,
+                         "ab_gain": one / ahead, "train_ratio_to_plain": ahead / plain})
             print(json.dumps(rows[-1]), flush=True)
     result = {"benchmark": "step_time", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
               "batch_size_per_replica": args.batch_size, "steps": args.steps, "warmup": args.warmup,
@@ -132,7 +149,9 @@ def main(argv=None):
     for r in rows:
         print(f"{r['model']:10s} {r['config']:32s} workers={r['workers']}  "
               f"median step {1000 * r['median_step_s']:7.2f} ms  x{r['ratio_to_plain']:.2f} plain"
-              + (f"  exchange {1000 * r['median_exchange_s']:.2f} ms" if "median_exchange_s" in r else ""))
+              + (f"  exchange {1000 * r['median_exchange_s']:.2f} ms  A/B step() "
+                 f"{1000 * r['ab_step_one_at_a_time_s']:.2f} vs train() "
+                 f"{1000 * r['ab_train_step_in_flight_s']:.2f} ms" if "median_exchange_s" in r else ""))
     return result
 
 

@@ -66,7 +66,7 @@ def add_workers(sgd, slots: list[int]) -> None:
     if slots:
         launch.start_workers(sgd, slots)
     sgd.num_workers = len(sgd.workers)
-    sgd.membership += 1  # a data feed sends its loaders again (DistributedSGD._feed_args)
+    sgd.membership += 1  # a data feed sends its loaders again (steps.feed_args)
     launch.ensure_ps(sgd)
 
 

@@ -1,6 +1,7 @@
-"""`DistributedSGD`: the driver. It drives steps; starting actors and planning
-shards (dsgd/launch.py), failure handling (dsgd/recovery.py carries out
-dsgd/failures.py) and checkpoint plumbing (dsgd/checkpoint.py) live beside it.
+"""`DistributedSGD`: the driver and its API. Beside it, driver side: the step
+path (dsgd/steps.py), many steps fed by a dataset (dsgd/training.py), starting
+actors and planning shards (dsgd/launch.py), failure handling (dsgd/recovery.py
+carries out dsgd/failures.py) and checkpoint plumbing (dsgd/checkpoint.py).
 Workers and PS actors only execute."""
 
 from __future__ import annotations
@@ -13,12 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from dsgd import checkpoint, constants, launch, ops, recovery, training
-from dsgd.actors import ActorSet, actor_died_errors
+from dsgd import checkpoint, constants, launch, ops, steps, training
+from dsgd.actors import ActorSet
 from dsgd.arguments import check_args
-from dsgd.errors import DsgdError, NonFiniteError, StepTimeoutError
 from dsgd.model import Model
-from dsgd.param_server import mean_shard, split_group
 from dsgd.worker import Worker
 
 logger = logging.getLogger("dsgd")
@@ -178,7 +177,7 @@ class DistributedSGD:
         `num_workers` and `failures` (failures recovered so far).
         """
         start = time.perf_counter()
-        infos, applied, skipped = self._run_step()
+        infos, applied, skipped = next(steps.run(self, None, 1))
         if not fetch_stats:
             return None
         step_s = time.perf_counter() - start
@@ -200,136 +199,6 @@ class DistributedSGD:
         shows a progress bar when stderr is a terminal. See dsgd/training.py for
         the summary it returns (`loss`, `steps`, `num_samples`, ...)."""
         return training.train(self, num_steps, dataset)
-
-    def _run_step(self, feed=None):
-        """One step, with recovery from actor deaths; with `feed` (dsgd/data/feeds.py),
-        on its batches. Returns (infos, applied, skipped): infos None if the step
-        had been applied before a failure interrupted it; applied [] and every
-        info {"epoch_end": True} if the feed's epoch ended instead."""
-        if self.elastic:
-            recovery.maybe_grow(self)
-        while True:
-            data = self._feed_args(feed)
-            try:
-                infos, applied = self._step_once(data)
-                break
-            except actor_died_errors() as e:
-                if recovery.recover(self, e):  # the step had been applied before the failure
-                    infos, applied = None, [{"apply_s": 0.0}]
-                    break
-            except StepTimeoutError as e:
-                if not self.replace_hung or not getattr(e, "late", None):
-                    raise
-                logger.warning("step %d: killing hung actor(s) %s to replace them (%s)",
-                               self.steps_done + 1, ", ".join(self.actors.name(h) for h in e.late),
-                               recovery.first_line(e))
-                for handle in e.late:
-                    self.actors.kill(handle)
-                if recovery.recover(self, e):
-                    infos, applied = None, [{"apply_s": 0.0}]
-                    break
-        if infos is not None and infos[0].get("epoch_end"):
-            return infos, [], False
-        skipped = infos is not None and not all(f for info in infos for f in info["finite"])
-        if skipped:
-            self.skipped_steps += 1
-        else:
-            self.steps_done += 1
-        if feed is not None:
-            feed.advance(self)
-        return infos, applied, skipped
-
-    def _feed_args(self, feed) -> list:
-        """Each worker's data argument for the next step (None: get_batch), after
-        sending the workers `feed`'s loaders if it is new to them or workers changed."""
-        if feed is None:
-            return [None] * self.num_workers
-        if feed.attached_membership != self.membership:
-            workers = list(self.workers)
-            self._wait([w.attach_data.remote(feed.key, loader)
-                        for w, loader in zip(workers, feed.loaders(self))], workers,
-                       "attaching data loaders", self.step_timeout_s)
-            feed.attached_membership = self.membership
-        self.last_feed = feed
-        return [(feed.key, arg) for arg in feed.step_args(self)]
-
-    def _step_once(self, data: list):
-        label = f"step {self.steps_done + 1}"
-        if self.num_workers == 1:
-            infos = self._wait([self.workers[0].local_step.remote(data[0])], self.workers, label,
-                               self.step_timeout_s)
-            if not infos[0].get("epoch_end"):
-                self._check_finite(infos)
-            return infos, [{"apply_s": 0.0}]
-        return self._exchange_step(label, data)
-
-    def _exchange_step(self, label: str, data: list):
-        """Workers stream their shards, one object per shard group (sharding.group_shards);
-        a group's PS is called as soon as every worker has written it, so summing
-        overlaps with writing the next group."""
-        import ray
-
-        start = time.perf_counter()
-        workers = list(self.workers)
-        streams = [w.compute.options(num_returns="streaming").remote(self.shard_groups, d)
-                   for w, d in zip(workers, data)]
-        info_refs = self.actors.next_all(streams, workers, f"{label}: computing gradients",
-                                         self._time_left(start))
-        infos = self._wait(info_refs, workers, f"{label}: computing gradients",
-                           self._time_left(start))
-        ended = [i for i, info in enumerate(infos) if info.get("epoch_end")]
-        if ended:
-            if len(ended) < len(infos):
-                raise DsgdError(f"{label}: the data of worker(s) {ended} ended its epoch before "
-                                "the others': every worker's share must have as many batches")
-            return infos, []
-        if not self._check_finite(infos):
-            return infos, [{"apply_s": 0.0}]  # skipped: the streams' shards are dropped
-        mean_refs = []
-        for g, group in enumerate(self.shard_groups):
-            refs = self.actors.next_all(streams, workers, f"{label}: writing shard group {g}",
-                                        self._time_left(start))
-            shards = self._group_shards[g]
-            if self.strategy == "ps":
-                ps = self.actors.ps[self.ps_assignment[group[0]]]
-                mean_refs.append(ps.mean.remote(shards, *refs))
-            else:
-                worker_groups = self._wait(refs, workers, f"{label}: gathering shard group {g}",
-                                           self._time_left(start))
-                mean_refs.append(ray.put(tuple(
-                    mean_shard(s, p) for s, p in zip(shards, split_group(shards, worker_groups)))))
-        applied = self._wait([w.apply.remote(self.shard_groups, *mean_refs) for w in workers],
-                             workers, f"{label}: applying", self._time_left(start))
-        return infos, applied
-
-    def _check_finite(self, infos: list[dict]) -> bool:
-        """True if every replica's gradient was finite. Otherwise raise
-        NonFiniteError (on_nonfinite="raise") or return False ("skip")."""
-        bad = [(slot, r) for slot, info in zip(self.actors.slots, infos)
-               for r, ok in enumerate(info["finite"]) if not ok]
-        if not bad:
-            return True
-        if self.on_nonfinite == "skip":
-            logger.warning("step %d skipped: non-finite gradient on %s", self.steps_done + 1,
-                           ", ".join(f"worker {w} replica {r}" for w, r in bad))
-            return False
-        step = self.steps_done + 1
-        applied = any(info.get("applied") for info in infos)
-        if applied:  # one worker: the update ran alongside the check (see Replicas.configure)
-            self.steps_done += 1
-            outcome = ("the update was applied (with one worker the check runs alongside it): "
-                       "the weights now hold NaN/Inf; restore a checkpoint. Pass "
-                       "on_nonfinite='skip' to check before updating and skip such steps.")
-        else:
-            outcome = "no weights were changed. Pass on_nonfinite='skip' to skip such steps."
-        slot, r = bad[0]
-        raise NonFiniteError(
-            f"step {step}: non-finite gradient (NaN or Inf) on worker {slot}, replica {r} "
-            f"(global replica {slot * self.devices_per_worker + r})"
-            + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "; " + outcome)
-
-    def _time_left(self, start: float) -> float:
-        return max(0.001, self.step_timeout_s - (time.perf_counter() - start))
 
     def _wait(self, refs: list, owners: list, what: str, timeout_s: float) -> list:
         return self.actors.wait(refs, owners, what, timeout_s)

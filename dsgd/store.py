@@ -15,22 +15,44 @@ def usage(timeout_s: float = 30.0) -> dict:
     return ray_private.object_store_stats(timeout_s)
 
 
-def drained_usage(timeout_s: float = 60.0, interval_s: float = 0.1) -> dict:
-    """`usage()` once the store has emptied, or the last reading after `timeout_s`.
+def drained_usage(timeout_s: float = 60.0, interval_s: float = 0.1,
+                  baseline: dict | None = None) -> dict:
+    """`usage()` once the store has drained down to `baseline`'s object count
+    (default: empty), or the last reading after `timeout_s`.
 
     Ray frees objects asynchronously: right after a step, that step's shards are
     typically still in the store for about half a second (measured on 2 cores).
-    When nothing holds a reference, the store must drain to empty; a store that
-    does not is leaking."""
+    When nothing holds a reference, the store must drain back to what it held
+    before (objects of others, e.g. blocks Ray Data keeps for a dataset); a store
+    that does not is leaking."""
     import gc
     import time
 
+    target = (baseline or {}).get("num_objects", 0)
     gc.collect()  # drop unreachable ObjectRefs held in reference cycles
     deadline = time.monotonic() + timeout_s
     reading = usage()
-    while reading["num_objects"] and time.monotonic() < deadline:
+    while reading["num_objects"] > target and time.monotonic() < deadline:
         time.sleep(interval_s)
         reading = usage()
+    return reading
+
+
+def settled_usage(timeout_s: float = 30.0, interval_s: float = 0.5) -> dict:
+    """`usage()` once two readings `interval_s` apart agree (objects others were
+    freeing are gone): the baseline a leak check compares against."""
+    import gc
+    import time
+
+    gc.collect()
+    deadline = time.monotonic() + timeout_s
+    reading = usage()
+    while time.monotonic() < deadline:
+        time.sleep(interval_s)
+        again = usage()
+        if again == reading:
+            return again
+        reading = again
     return reading
 
 

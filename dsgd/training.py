@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from dsgd import constants, progress
+from dsgd import constants, progress, steps
 
 
 def train(sgd, num_steps: int | None, dataset, desc: str = "train") -> dict:
@@ -51,9 +51,9 @@ def train(sgd, num_steps: int | None, dataset, desc: str = "train") -> dict:
     tally = Tally()
     ended_at = None
     with progress.bar(None if until_epoch_end else int(num_steps), desc) as bar:
-        while until_epoch_end or tally.steps < num_steps:
-            step_start = time.perf_counter()
-            infos, applied, was_skipped = sgd._run_step(feed)
+        step_start = time.perf_counter()
+        for infos, applied, was_skipped in steps.run(sgd, feed, None if until_epoch_end
+                                                     else int(num_steps)):
             if infos is not None and infos[0].get("epoch_end"):
                 if until_epoch_end and tally.steps:
                     break
@@ -62,8 +62,9 @@ def train(sgd, num_steps: int | None, dataset, desc: str = "train") -> dict:
                                      f"({sgd.num_workers} worker(s) x batch_size="
                                      f"{dataset.batch_size})")
                 ended_at = tally.steps
-                continue  # the next call starts the next epoch
+                continue  # the next step starts the next epoch
             tally.add(infos, applied, was_skipped, time.perf_counter() - step_start)
+            step_start = time.perf_counter()
             if tally.losses:
                 bar.set_postfix(loss=f"{tally.losses[-1]:.4f}",
                                 samples_s=f"{tally.samples / (time.perf_counter() - start):.0f}",

@@ -84,3 +84,23 @@ def test_simple_and_ps_agree():
     for a, b in zip(simple, ps):
         np.testing.assert_allclose(a, b, rtol=0, atol=TOL)
     np.testing.assert_allclose(simple_losses, ps_losses, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("workers,devices", [(1, 2), (2, 1)])
+def test_train_with_a_step_in_flight_matches_single_process_training(workers, devices):
+    """train(num_steps) submits each next step before the last one's result is back
+    (dsgd/steps.py); the weights are still those of steps run one at a time."""
+    with dsgd.DistributedSGD(tiny.creator(devices, BATCH, "adam"), workers, devices, gpu=False,
+                             grad_shard_bytes=128) as sgd:
+        initial = sgd.get_weights()
+        summary = sgd.train(num_steps=STEPS + 2)
+        assert summary["steps"] == STEPS + 2 and sgd.steps_done == STEPS + 2
+        final = sgd.get_weights()
+        replicas = sgd.foreach_model(lambda m: m.get_weights())
+    expected, losses = tiny.reference_run(initial, workers * devices, BATCH, STEPS + 2, "adam")
+    for got, want in zip(final, expected):
+        np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
+    assert summary["loss"] == pytest.approx(float(np.mean(losses)), abs=TOL)
+    for weights in replicas[1:]:
+        for a, b in zip(replicas[0], weights):
+            np.testing.assert_array_equal(a, b)

@@ -4,9 +4,6 @@ mixed precision, several models, creators, Ray Tune. (Failures:
 test_trainer_failures.py, without this module's long-lived workers, so that
 replacements find room.)"""
 
-import glob
-import os
-
 import numpy as np
 import pytest
 

@@ -8,9 +8,11 @@ this protocol, without importing this module:
                                engine sends to the workers: at first use, and
                                again after any worker was replaced or added
     feed.steps_per_epoch(sgd)  steps in one epoch, or None (unknown)
-    feed.step_args(sgd)        one small argument per worker for the next step
-                               (never None, which tells workers to use get_batch)
-    feed.advance(sgd)          that step was completed
+    feed.step_args(sgd, ahead) one small argument per worker for the step `ahead`
+                               steps after the next one (0: the next; 1: the one
+                               the engine submits while the next finishes), never
+                               None (which tells workers to use get_batch)
+    feed.advance(sgd)          the next step was completed (or skipped)
     feed.position              rows consumed so far (None: not tracked);
                                checkpoints save it and restore sets it
     feed.reports_epoch_end     (optional) True: the workers' loaders tell when an
@@ -46,7 +48,6 @@ class StreamFeed:
     def __init__(self, dataset, stream: BlockStream):
         self.dataset = dataset
         self.stream = stream
-        self._taken: int | None = None  # rows of the step in flight
 
     @property
     def position(self) -> int:
@@ -64,11 +65,11 @@ class StreamFeed:
             return None
         return -(-self.stream.length // (sgd.num_workers * self.dataset.batch_size))
 
-    def step_args(self, sgd) -> list:
-        b, start = self.dataset.batch_size, self.dataset.position
+    def step_args(self, sgd, ahead: int = 0) -> list:
+        b = self.dataset.batch_size
         rows = sgd.num_workers * b
+        start = self.dataset.position + ahead * rows
         refs = self.stream.ready(start, rows, PREFETCH_STEPS * rows, sgd.step_timeout_s)
-        self._taken = rows
         args = []
         for w in range(sgd.num_workers):
             first = start + w * b
@@ -78,7 +79,7 @@ class StreamFeed:
         return args
 
     def advance(self, sgd) -> None:
-        self.dataset.position += self._taken
+        self.dataset.position += sgd.num_workers * self.dataset.batch_size
 
 
 class RowSpans:
@@ -129,7 +130,7 @@ class RayDataFeed:
     def steps_per_epoch(self, sgd) -> None:
         return None  # counting rows would run the whole pipeline: an epoch ends when it ends
 
-    def step_args(self, sgd) -> list:
+    def step_args(self, sgd, ahead: int = 0) -> list:
         return [NEXT_BATCH] * sgd.num_workers  # not None: None means "use get_batch"
 
     def advance(self, sgd) -> None:

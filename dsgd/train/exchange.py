@@ -55,8 +55,6 @@ def allreduce(arrays: list[np.ndarray]) -> list[np.ndarray]:
     """The mean over all workers of each array (same shapes and dtypes on every
     worker, same call order). Blocks, at most the backend's timeout; a dead PS
     raises DsgdError naming it."""
-    import ray
-
     ctx = context()
     rank, size = world()
     seq = next_sequence()
