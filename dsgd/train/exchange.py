@@ -55,6 +55,8 @@ def allreduce(arrays: list[np.ndarray]) -> list[np.ndarray]:
     """The mean over all workers of each array (same shapes and dtypes on every
     worker, same call order). Blocks, at most the backend's timeout; a dead PS
     raises DsgdError naming it."""
+    import ray
+
     ctx = context()
     rank, size = world()
     seq = next_sequence()
@@ -67,10 +69,12 @@ def allreduce(arrays: list[np.ndarray]) -> list[np.ndarray]:
     refs, handles = [], []
     for group in groups:
         shards = tuple(plan.shards[j] for j in group)
-        pieces = [flat[p.var_index][p.var_offset:p.var_offset + p.length]
-                  for s in shards for p in s.pieces]
+        # One object per group (pickle 5 copies each piece once into its place in the
+        # store buffer): Ray's fixed cost per object would dominate one per piece.
+        pieces = ray.put(tuple(flat[p.var_index][p.var_offset:p.var_offset + p.length]
+                               for s in shards for p in s.pieces))
         handle = ctx["ps"][owner[group[0]]]
-        refs.append(handle.reduce.remote(seq, rank, size, shards, *pieces))
+        refs.append(handle.reduce.remote(seq, rank, size, shards, pieces))
         handles.append(owner[group[0]])
     means = _get(ctx, refs, handles, f"exchange {seq}")
     out = [None] * plan.num_shards

@@ -2,8 +2,9 @@
 
 Unlike the engine's PS (dsgd/param_server.py), which the driver calls once every
 worker's shards exist, here the workers call it themselves (no driver in the
-per-step path): worker r calls `reduce(seq, r, world, shards, *pieces)` with its
-pieces of a group of shards; the call waits (asynchronously: this is an async
+per-step path): worker r calls `reduce(seq, r, world, shards, pieces)` with the
+tuple of its pieces of a group of shards (one object in the store, read here as
+zero-copy views); the call waits (asynchronously: this is an async
 actor, so the other workers' calls run meanwhile) until all `world` workers'
 pieces of exchange `seq` have arrived; the last arrival sums them with the same
 native kernel as the engine, and every call returns the mean. Every wait has a
@@ -34,7 +35,7 @@ class RendezvousPS:
 
         return {"pid": os.getpid(), "pending": len(self._pending)}
 
-    async def reduce(self, seq: int, rank: int, world: int, shards: tuple, *pieces) -> tuple:
+    async def reduce(self, seq: int, rank: int, world: int, shards: tuple, pieces: tuple) -> tuple:
         """The mean over `world` workers of a group of shards (see the module
         docstring): one array per shard, laid out as the shard says."""
         entry = await self._arrive(("reduce", seq), rank, world, pieces)
