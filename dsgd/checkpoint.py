@@ -228,7 +228,8 @@ def save(sgd, path: str, extra: dict | None = None) -> str:
 def restore(sgd, path: str) -> dict | None:
     """(driver side) `DistributedSGD.restore_checkpoint`: the checked files,
     shipped once through the object store to every worker, and the data
-    position, if saved, given to the dataset last trained on. Blocks."""
+    position, if saved, given to the dataset last trained on (or, if none was,
+    to the next one). Blocks."""
     import ray
 
     files, meta = read(path)
@@ -237,6 +238,9 @@ def restore(sgd, path: str) -> dict | None:
     sgd.steps_done = int(steps[0])
     sgd._last_checkpoint = path
     feed = sgd.last_feed
-    if "data_position" in meta and getattr(feed, "position", None) is not None:
-        feed.position = int(meta["data_position"])
+    if "data_position" in meta:
+        if getattr(feed, "position", None) is not None:
+            feed.position = int(meta["data_position"])
+        else:  # a fresh DistributedSGD: the next dataset trained on starts there
+            sgd.pending_data_position = int(meta["data_position"])
     return meta.get("extra")

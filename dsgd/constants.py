@@ -55,3 +55,6 @@ DATA_BLOCK_MAX_ROWS = 256
 # DistributedSGD.train keeps the feeds (and the workers' data loaders, e.g. Ray Data
 # split iterators) of this many most recently used datasets.
 DATA_FEEDS_KEPT = 4
+# Trainer.validate: a worker validates its whole share in one call, allowed this many
+# step timeouts.
+VALIDATION_TIMEOUT_STEPS = 10

@@ -1,10 +1,11 @@
 """Every private Ray API dsgd calls, in one place.
 
-Ray 2.60 has no public equivalent for these two questions: what each node has
+Ray 2.60 has no public equivalent for these three questions: what each node has
 free right now (`ray.available_resources()` sums over the cluster, `ray.nodes()`
-and `ray.util.state.list_nodes()` give totals only), and how much of the object
-store is in use (what `ray memory --stats-only` prints). Everything else dsgd
-asks Ray goes through public APIs.
+and `ray.util.state.list_nodes()` give totals only), how much of the object
+store is in use (what `ray memory --stats-only` prints), and whether Ray Train
+v2 is on (which DataParallelTrainer `dsgd.train.DsgdTrainer` must extend).
+Everything else dsgd asks Ray goes through public APIs.
 
 Private APIs change without notice between Ray releases. Each call here is
 wrapped so that a Ray upgrade that moves or changes one fails loudly, with a
@@ -58,6 +59,18 @@ def object_store_stats(timeout_s: float = 30.0) -> dict[str, int]:
     except (ImportError, AttributeError, TypeError) as e:
         raise _broken(call, e) from e
     return _checked(call, stats, lambda r: min(r.values()) >= 0, "non-negative counts")
+
+
+def ray_train_v2_enabled() -> bool:
+    """Ray Train v2 (the default since Ray 2.49) or v1 (RAY_TRAIN_V2_ENABLED=0)."""
+    call = "ray.train.v2._internal.constants.is_v2_enabled()"
+    try:
+        from ray.train.v2._internal.constants import is_v2_enabled
+
+        result = is_v2_enabled()
+    except (ImportError, AttributeError, TypeError) as e:
+        raise _broken(call, e) from e
+    return _checked(call, result, lambda r: isinstance(r, bool), "a bool")
 
 
 def _checked(call: str, result, valid: Callable, expected: str):

@@ -53,6 +53,7 @@ def recover(sgd, error: BaseException) -> bool:
     if action.drop_workers:
         logger.warning("elastic: continuing with %d worker(s); global batch is now %d "
                        "replica batches", sgd.num_workers, sgd.num_workers * sgd.devices_per_worker)
+    _workers_changed(sgd, action.replace_workers)
     sgd.failures.append({"step": sgd.steps_done + 1, "error": type(error).__name__,
                          "reason": action.reason, "recovery_s": time.perf_counter() - start})
     logger.warning("recovered in %.1f s", sgd.failures[-1]["recovery_s"])
@@ -66,7 +67,8 @@ def add_workers(sgd, slots: list[int]) -> None:
     if slots:
         launch.start_workers(sgd, slots)
     sgd.num_workers = len(sgd.workers)
-    sgd.membership += 1  # a data feed sends its loaders again (steps.feed_args)
+    if slots:
+        sgd.membership += 1  # a data feed sends its loaders again (steps.feed_args)
     launch.ensure_ps(sgd)
 
 
@@ -95,9 +97,18 @@ def maybe_grow(sgd) -> None:
     slots = missing[:room]
     add_workers(sgd, slots)
     copy_state(sgd, next(s for s in sgd.actors.slots if s not in slots), slots)
+    _workers_changed(sgd, slots)
     logger.warning("elastic: added worker(s) %s; %d worker(s), global batch %d replica batches",
                    ", ".join(map(str, slots)), sgd.num_workers,
                    sgd.num_workers * sgd.devices_per_worker)
+
+
+def _workers_changed(sgd, slots: list[int]) -> None:
+    """Tell the layers above (DistributedSGD.on_workers_changed) that new workers
+    hold the copied state, e.g. so the Trainer gives them its train() info."""
+    if slots:
+        for hook in sgd.on_workers_changed:
+            hook()
 
 
 def first_line(error: BaseException) -> str:

@@ -122,7 +122,9 @@ class DistributedSGD:
         self._suffix = uuid.uuid4().hex[:6]
         self.membership = 0       # bumped whenever workers are replaced or added
         self._feeds = {}          # data feeds by key (dsgd/training.py), most recent last
+        self.on_workers_changed: list[Callable[[], Any]] = []  # run after recovery/growth
         self.last_feed = None     # the feed of the last step trained from a dataset
+        self.pending_data_position = None  # restored before any dataset was used
         options = {"num_cpus": num_cpus_per_worker,
                    "scheduling_strategy": launch.worker_scheduling(num_workers, devices_per_worker,
                                                                    gpu, num_cpus_per_worker)}

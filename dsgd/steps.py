@@ -11,9 +11,12 @@ each shard group is written and submits every worker's `apply`), then `finish`
 actors, with `replace_hung`). With `ahead`, the next step is submitted right
 after this step's applies: Ray runs an actor's calls in order, so each worker
 starts the next step's compute the moment its apply ends, instead of idling for
-a round trip to the driver. Nothing of a step in flight touches weights before
-the step before it has been checked and applied, so results are those of steps
-run one at a time; on a failure the step in flight is dropped and redone.
+a round trip to the driver. With several workers nothing of a step in flight
+touches weights before the step before it has been checked and applied, so
+results are those of steps run one at a time; on a failure the step in flight
+is dropped and redone. (With one worker the step ahead is a whole local step: if
+the one before it had a NaN gradient under on_nonfinite="raise", that one was
+applied too, as the error says, and both are counted.)
 """
 
 from __future__ import annotations
@@ -114,20 +117,32 @@ def run(sgd, feed, count: int | None):
     (elastic below its target)."""
     done, pending = 0, None
     while count is None or done < count:
+        ahead = None
         try:
             if pending is None:
                 if sgd.elastic:
                     recovery.maybe_grow(sgd)
                 pending = Step(sgd, feed_args(sgd, feed, 0), sgd.steps_done + 1).submit()
+            step_workers = len(pending.workers)
             pending.exchange()
-            ahead = None
-            if _may_run_ahead(sgd, pending, count, done):
-                ahead = Step(sgd, feed_args(sgd, feed, 1), sgd.steps_done + 2).submit()
             try:
+                if _may_run_ahead(sgd, pending, count, done):
+                    ahead = Step(sgd, feed_args(sgd, feed, 1), sgd.steps_done + 2).submit()
                 infos, applied = pending.finish()
             except NonFiniteError:
-                if ahead is not None:  # one worker: that step ran, and its update is applied
-                    _finish_quietly(ahead)
+                # One worker: that update was applied (check_finite counted it), and so
+                # is the step ahead, if any; count both and move the data on.
+                _advance(feed, sgd, step_workers)
+                if ahead is not None:
+                    _finish_quietly(ahead, feed)
+                raise
+            except (*actor_died_errors(), StepTimeoutError):
+                raise
+            except BaseException:
+                # Not an actor failure (e.g. the next step's data failed to download):
+                # this step's applies are on their way; wait for them and count them.
+                if pending.applied is None and len(pending.workers) > 1:
+                    _finish_quietly(pending, feed)
                 raise
         except actor_died_errors() as e:
             pending = None
@@ -157,10 +172,14 @@ def run(sgd, feed, count: int | None):
             sgd.skipped_steps += 1
         else:
             sgd.steps_done += 1
-        if feed is not None:
-            feed.advance(sgd)
+        _advance(feed, sgd, step_workers)  # the rows of the workers the step ran on
         done += 1
         yield infos, applied, skipped
+
+
+def _advance(feed, sgd, num_workers: int) -> None:
+    if feed is not None:
+        feed.advance(sgd, num_workers)
 
 
 def _may_run_ahead(sgd, pending: Step, count: int | None, done: int) -> bool:
@@ -171,12 +190,17 @@ def _may_run_ahead(sgd, pending: Step, count: int | None, done: int) -> bool:
     return count is not None or len(pending.workers) > 1
 
 
-def _finish_quietly(step: Step) -> None:
+def _finish_quietly(step: Step, feed) -> None:
+    """Wait for a step whose outcome no one will read, and count it if applied
+    (a non-finite one applied with one worker is counted by check_finite)."""
     try:
-        step.finish()
+        infos, applied = step.finish()
     except NonFiniteError:
-        pass
-    step.sgd.steps_done += 1
+        _advance(feed, step.sgd, len(step.workers))
+        return
+    if applied and not (infos and infos[0].get("epoch_end")):
+        step.sgd.steps_done += 1
+        _advance(feed, step.sgd, len(step.workers))
 
 
 def feed_args(sgd, feed, ahead: int) -> list:

@@ -43,6 +43,9 @@ def train(sgd, num_steps: int | None, dataset, desc: str = "train") -> dict:
                 raise ValueError("dataset is streaming data of unknown length (a generator or "
                                  "iterator): pass num_steps")
             until_epoch_end = True
+        elif num_steps < 1:
+            raise ValueError(f"one epoch of {'the dataset' if feed else 'the replicas own data'} "
+                             "is 0 steps (fewer batches than workers/replicas?): pass num_steps")
     elif isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) \
             or num_steps < 1:
         raise ValueError(f"num_steps must be a positive int or None (one epoch), got {num_steps!r}")
@@ -137,6 +140,8 @@ def _feed(sgd, dataset):
             sgd._feeds[key] = sgd._feeds.pop(key)  # most recent last
             return feed
     feed = dataset._feed(sgd)
+    if sgd.pending_data_position is not None and getattr(feed, "position", None) is not None:
+        feed.position, sgd.pending_data_position = sgd.pending_data_position, None
     feed.key = sgd._next_feed_key = getattr(sgd, "_next_feed_key", -1) + 1
     feed.attached_membership = None  # loaders not sent yet
     sgd._feeds[feed.key] = (dataset, feed)

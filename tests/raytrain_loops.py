@@ -60,10 +60,31 @@ def exactness_loop(config):
                      checkpoint=checkpoint)
 
 
+def _wait_for_a_registered_checkpoint(run_dir, timeout_s=120.0):
+    """Ray Train's controller registers reported checkpoints asynchronously (when it
+    polls the workers); a worker that dies first restarts the run from an older
+    checkpoint or none. Wait until the controller's checkpoint-manager snapshot
+    names a latest checkpoint, so the restart under test has one to resume from."""
+    import json
+    import time
+
+    path = os.path.join(run_dir, "checkpoint_manager_snapshot.json")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(path) as f:
+                if json.load(f).get("latest_checkpoint_result"):
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"no checkpoint registered in {path} after {timeout_s:.0f} s")
+
+
 def resuming_loop(config):
     """4 epochs of one step each, a checkpoint reported after each; resumes from
     Ray Train's checkpoint after a restart. Rank 1 SIGKILLs itself at epoch 2,
-    once (config["marker"])."""
+    once (config["marker"]), after the controller has registered a checkpoint."""
     import signal
     import tempfile
 
@@ -86,6 +107,7 @@ def resuming_loop(config):
             start = int(state["epoch"]) + 1
     for epoch in range(start, 4):
         if epoch == 2 and rank == 1 and not os.path.exists(config["marker"]):
+            _wait_for_a_registered_checkpoint(config["run_dir"])
             open(config["marker"], "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         with tf.GradientTape() as tape:

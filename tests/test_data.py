@@ -131,3 +131,16 @@ def test_a_checkpoint_keeps_the_data_position(counter2x2, tmp_path):
     assert ds.position == 2 * 8
     counter2x2.train(dataset=ds, num_steps=4)  # rows 16..47: the epoch's rest, once
     np.testing.assert_array_equal(counts(counter2x2), np.ones(N, int))
+
+
+def test_a_restored_checkpoint_positions_the_next_dataset_of_a_new_instance(counter2x2, tmp_path):
+    reset(counter2x2)
+    counter2x2.train(dataset=dsgd.Dataset(range(N), download_func=one_hot, batch_size=4),
+                     num_steps=2)
+    path = counter2x2.save_checkpoint(str(tmp_path / "ckpt"))
+    with dsgd.DistributedSGD(Counter, 2, 2, gpu=False) as fresh:
+        fresh.restore_checkpoint(path)
+        ds = dsgd.Dataset(range(N), download_func=one_hot, batch_size=4)
+        fresh.train(dataset=ds, num_steps=4)  # rows 16..47
+        assert ds.position == N
+        np.testing.assert_array_equal(counts(fresh), np.ones(N, int))

@@ -185,3 +185,15 @@ def time_now():
     import time
 
     return time.monotonic()
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_nonfinite_in_train_counts_the_step_in_flight_too():
+    """One worker keeps the next local step queued in train(): when a NaN step raises,
+    that queued step ran as well, and the driver's count matches the worker's."""
+    with dsgd.DistributedSGD(lambda w, d: NanAt(w, d, 2, 2), 1, 2, gpu=False) as sgd:
+        with pytest.raises(dsgd.NonFiniteError, match="step 3: non-finite gradient"):
+            sgd.train(num_steps=6)
+        applied = ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"]
+        assert sgd.steps_done == applied == 4

@@ -53,14 +53,15 @@ def test_shards_ranks_and_exact_gradients(tmp_path):
 def test_a_worker_killed_mid_fit_restarts_from_the_checkpoint(tmp_path):
     marker = tmp_path / "killed"
     trainer = dt.DsgdTrainer(raytrain_loops.resuming_loop,
-                             train_loop_config={"marker": str(marker)},
+                             train_loop_config={"marker": str(marker),
+                                                "run_dir": str(tmp_path / "runs" / "restart")},
                              scaling_config=ScalingConfig(num_workers=2),
                              run_config=RunConfig(storage_path=str(tmp_path / "runs"), name="restart",
                                                   failure_config=FailureConfig(max_failures=1)))
     result = trainer.fit()
     assert marker.exists() and result.error is None
-    # Restarted from a reported checkpoint (which one: Ray Train's latest registered,
-    # epoch 0 or 1), not from scratch, and ran to the end.
+    # Restarted from a registered checkpoint (Ray Train's latest: epoch 0 or 1, the
+    # loop waits for one before the kill), not from scratch, and ran to the end.
     assert result.metrics["epoch"] == 3 and result.metrics["resumed_from"] in (1, 2)
     assert not dsgd_ps_actors()
 

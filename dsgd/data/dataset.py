@@ -26,7 +26,9 @@ class Dataset:
             are examples. Not for a `ray.data.Dataset` (use its `map`/`map_batches`).
         max_concurrency: download tasks running at once, at most.
         transform: `batch -> batch`, run in the worker actor that trains on the
-            batch, before it is split among the worker's replicas.
+            batch, before it is split among the worker's replicas. Its input may
+            be read-only views of the object store: return new arrays, do not
+            modify it in place.
         batch_size: examples per worker per step (a worker with D devices gives
             each replica batch_size / D).
         shuffle: (a Python sequence) take the items in a random order drawn once

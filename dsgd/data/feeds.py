@@ -12,7 +12,7 @@ this protocol, without importing this module:
                                steps after the next one (0: the next; 1: the one
                                the engine submits while the next finishes), never
                                None (which tells workers to use get_batch)
-    feed.advance(sgd)          the next step was completed (or skipped)
+    feed.advance(sgd, n)       the next step was completed (or skipped) on n workers
     feed.position              rows consumed so far (None: not tracked);
                                checkpoints save it and restore sets it
     feed.reports_epoch_end     (optional) True: the workers' loaders tell when an
@@ -78,8 +78,8 @@ class StreamFeed:
                                  [(lo, hi) for _, lo, hi in spans], first))
         return args
 
-    def advance(self, sgd) -> None:
-        self.dataset.position += sgd.num_workers * self.dataset.batch_size
+    def advance(self, sgd, num_workers: int) -> None:
+        self.dataset.position += num_workers * self.dataset.batch_size
 
 
 class RowSpans:
@@ -133,7 +133,7 @@ class RayDataFeed:
     def step_args(self, sgd, ahead: int = 0) -> list:
         return [NEXT_BATCH] * sgd.num_workers  # not None: None means "use get_batch"
 
-    def advance(self, sgd) -> None:
+    def advance(self, sgd, num_workers: int) -> None:
         pass
 
 

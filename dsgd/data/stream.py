@@ -83,6 +83,7 @@ class BlockStream:
             self._epoch_orders: dict[int, tuple] = {}
         self.blocks: dict[int, Any] = {}      # block index -> ObjectRef of the block
         self._pending: dict[int, tuple] = {}  # block index -> (count ref, block ref)
+        self._failed: dict[int, BaseException] = {}  # downloads that raised, by block
         self._func_ref = None
         self.downloaded_items = 0
 
@@ -152,13 +153,17 @@ class BlockStream:
         """Make sure the blocks of rows [start, start + count) exist, starting the
         downloads of the next `ahead` rows too. Blocks until the first ones are
         made, at most `timeout_s`. Returns {block index: ObjectRef} of those
-        rows' blocks. A download that failed raises its error (naming the item)."""
+        rows' blocks. A download of one of them that failed raises its error
+        (naming the item); one of a block only prefetched raises when it is needed."""
         needed = list(dict.fromkeys(b for b, _, _ in self.spans(start, count)))
         upcoming = [b for b, _, _ in self.spans(start + count, ahead)] if ahead else []
         wanted = list(dict.fromkeys(needed + upcoming))
         deadline = time.monotonic() + timeout_s
         while True:
             self._start(wanted)
+            for block in needed:  # a failed download of a needed block: its error, now
+                if block in self._failed:
+                    raise self._failed[block]
             missing = [b for b in needed if b not in self.blocks]
             if not missing:
                 return {b: self.blocks[b] for b in needed}
@@ -170,7 +175,7 @@ class BlockStream:
 
     def _start(self, wanted: list[int]) -> None:
         for block in wanted:
-            if block in self.blocks or block in self._pending:
+            if block in self.blocks or block in self._pending or block in self._failed:
                 continue
             first, last = self._item_range(block)
             indices = list(range(first, last + 1)) if self.shuffle_seed is None else \
@@ -204,12 +209,13 @@ class BlockStream:
             block = counts[ref]
             try:
                 self.downloaded_items += ray.get(ref)
-            except Exception:
+            except Exception as e:  # noqa: BLE001 - kept, raised when the block is needed
                 try:  # the block failed too: read it, so Ray does not log it as unhandled
-                    ray.get(self._pending[block][1], timeout=timeout_s)
-                except Exception:
+                    ray.get(self._pending.pop(block)[1], timeout=timeout_s)
+                except Exception:  # noqa: BLE001
                     pass
-                raise  # the download's error, naming the item, with its traceback
+                self._failed[block] = e
+                continue
             self.blocks[block] = self._pending.pop(block)[1]
 
     def _item_range(self, block: int) -> tuple[int, int]:

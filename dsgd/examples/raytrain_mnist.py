@@ -32,9 +32,11 @@ def train_loop(config):
     context = ray.train.get_context()
     model = mnist.build_cnn()
     dt.broadcast_variables(model.variables, root_rank=0)  # everyone starts from rank 0
+    # jit_compile=False: the exchange is a tf.numpy_function, which XLA cannot
+    # compile (Keras turns XLA on by itself where a GPU is present).
     model.compile(optimizer=dt.DistributedOptimizer(keras.optimizers.Adam(config["lr"])),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+                  metrics=["accuracy"], jit_compile=False)
     _, _, x_test, y_test = mnist.load_mnist()
     shard = ray.train.get_dataset_shard("train")  # equal shares: workers step together
     for epoch in range(config["epochs"]):

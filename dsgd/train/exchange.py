@@ -110,8 +110,8 @@ def _get(ctx: dict, refs: list, ps_indices: list[int], what: str) -> list:
     import ray
     from ray import exceptions as rx
 
-    try:
-        return ray.get(refs, timeout=ctx["timeout_s"])
+    try:  # a little longer than the PS waits, so its error naming missing ranks comes first
+        return ray.get(refs, timeout=ctx["timeout_s"] + max(10.0, 0.1 * ctx["timeout_s"]))
     except rx.GetTimeoutError:
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         late = sorted({ctx["names"][j] for r, j in zip(refs, ps_indices) if r not in ready})

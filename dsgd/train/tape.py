@@ -55,11 +55,20 @@ class DistributedGradientTape:
 
 def DistributedOptimizer(optimizer):  # noqa: N802 - Horovod's name, a factory like hvd's
     """A Keras 3 optimizer that averages gradients over all Ray Train workers before
-    `optimizer` applies them: `model.compile(optimizer=DistributedOptimizer(opt))`
-    then `model.fit(...)` trains data-parallel (Horovod's Keras `DistributedOptimizer`
-    no longer works with Keras 3)."""
+    `optimizer` applies them: `model.compile(optimizer=DistributedOptimizer(opt),
+    jit_compile=False)` then `model.fit(...)` trains data-parallel (Horovod's Keras
+    `DistributedOptimizer` no longer works with Keras 3). XLA cannot compile the
+    exchange (a `tf.numpy_function`): keep `jit_compile=False`. Not with the
+    `mixed_float16` policy: compile() then wraps this optimizer in a
+    LossScaleOptimizer that skips overflowing steps per worker, before averaging,
+    and workers would fall out of step; use `mixed_bfloat16`."""
     import keras
 
+    if keras.mixed_precision.global_policy().name == "mixed_float16":
+        raise ValueError("DistributedOptimizer under the mixed_float16 policy: Keras would check "
+                         "for overflow per worker before the average, and workers could skip "
+                         "different steps; use mixed_bfloat16, or DistributedGradientTape in a "
+                         "custom loop that scales the loss itself")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a Keras optimizer, got {type(optimizer).__name__}")
     return _distributed_class()(optimizer)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from ray.train.data_parallel_trainer import DataParallelTrainer as _V1Trainer
-from ray.train.v2._internal.constants import is_v2_enabled
 
+from dsgd.ray_private import ray_train_v2_enabled
 from dsgd.train.config import DsgdConfig
 
-if is_v2_enabled():
+if ray_train_v2_enabled():
     from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 else:  # Ray Train v1 (RAY_TRAIN_V2_ENABLED=0)
     DataParallelTrainer = _V1Trainer

@@ -28,7 +28,8 @@ class OperatorReplica(Model):
         self.loss_scaling = loss_scaling
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="dsgd_epoch")
         self.batch_idx = tf.Variable(0, dtype=tf.int64, trainable=False, name="dsgd_batch_idx")
-        self.info: dict = {}
+        self.info: dict = {}      # train()'s info, in train_batch's batch_info
+        self.val_info: dict = {}  # validate()'s, in validate_batch's
         self._own = _shard(self.operator._train_data, world_rank, world_size)
         self._own_validation = _shard(self.operator._validation_data, world_rank, world_size)
         self._iterator = None
@@ -42,8 +43,10 @@ class OperatorReplica(Model):
         return [list(m.trainable_variables) for m in self.operator._models]
 
     def get_state_variables(self) -> list:
-        """Checkpoints and broadcasts: every model's weights, non-trainable included."""
-        return [v for m in self.operator._models for v in m.weights]
+        """Checkpoints, broadcasts and the state a replacement worker copies: every
+        model's weights (non-trainable included), then the epoch and batch number
+        (last, so a plain Keras model still reads its weights by position)."""
+        return [v for m in self.operator._models for v in m.weights] + [self.epoch, self.batch_idx]
 
     def get_optimizer(self):
         optimizers = self.operator._optimizers
@@ -52,7 +55,7 @@ class OperatorReplica(Model):
     def get_loss(self, batch):
         import tensorflow as tf
 
-        out = self.operator.train_batch(batch, self._batch_info())
+        out = self.operator.train_batch(batch, self._batch_info(self.info))
         if not isinstance(out, dict) or "loss" not in out:
             raise ValueError(f"train_batch must return a dict with 'loss', got {out!r:.200}")
         losses = out["loss"]
@@ -97,20 +100,24 @@ class OperatorReplica(Model):
         self.epoch.assign(epoch)
         self.batch_idx.assign(0)
         self._iterator = None
+        return self.set_info(info)
+
+    def set_info(self, info: dict | None) -> bool:
+        """train()'s info (also given to replacement workers). True if it changed."""
         info = dict(info or {})
         changed = info != self.info
         self.info = info
         return changed
 
-    def _batch_info(self) -> dict:
-        return {"epoch": self.epoch, "batch_idx": self.batch_idx, **self.info}
+    def _batch_info(self, info: dict) -> dict:
+        return {"epoch": self.epoch, "batch_idx": self.batch_idx, **info}
 
     # -- validation --------------------------------------------------------------------------
     def begin_validation(self, info: dict | None) -> None:
         for metric in self.operator._metrics:
             metric.reset_state()
-        if dict(info or {}) != self.info:
-            self.info = dict(info or {})
+        if dict(info or {}) != self.val_info:
+            self.val_info = dict(info or {})
             self._validate_fn = None
 
     def validate(self, batch) -> dict[str, float]:
@@ -125,7 +132,7 @@ class OperatorReplica(Model):
     def _validate_graph(self, batch):
         import tensorflow as tf
 
-        out = self.operator.validate_batch(batch, self._batch_info())
+        out = self.operator.validate_batch(batch, self._batch_info(self.val_info))
         if not isinstance(out, dict):
             raise ValueError(f"validate_batch must return a dict of scalars, got {out!r:.200}")
         return {k: tf.cast(v, tf.float32) for k, v in out.items() if k != "num_samples"}
@@ -157,7 +164,7 @@ def _shard(data, rank: int, world: int):
     return None
 
 
-def validate_share(worker, source: tuple, num_steps: int | None) -> dict:
+def validate_share(worker, source: tuple, num_steps: int | None, info: dict | None) -> dict:
     """(worker side, via Worker.run) Validate this worker's share: `source` is
     ("rows", [RowSpans], transform) of a dsgd.Dataset, ("ray", split iterator,
     batch size, transform) or ("own",) for each replica's tf.data shard. A worker
@@ -179,7 +186,7 @@ def validate_share(worker, source: tuple, num_steps: int | None) -> dict:
         tally["last"] = out
 
     for replica in replicas:
-        replica.begin_validation(replica.info)
+        replica.begin_validation(info)
     if source[0] == "own":
         for replica in replicas:
             for k, batch in enumerate(replica.own_validation_batches()):

@@ -10,8 +10,9 @@ _ENGINE_KEYS = ("loss", "train_loss")
 
 
 def worker_means(worker: dict) -> dict[str, float]:
-    """A worker's sample-weighted means of its per-batch values."""
-    samples = max(worker["num_samples"], 1)
+    """A worker's sample-weighted means of its per-batch values (batches counted
+    as one sample each when they report no samples, as the engine then weighs them)."""
+    samples = worker["num_samples"] or max(worker["batch_count"], 1)
     return {k: v / samples for k, v in worker["sums"].items()}
 
 
@@ -61,7 +62,8 @@ def reduce(rows: list[dict], epoch) -> dict:
               "batch_count": sum(r["batch_count"] for r in rows) / max(len(rows), 1)}
     if epoch is not None:
         merged = {"epoch": epoch, **merged}
-    keys = [k for k in rows[0] if k not in ("epoch", "num_samples", "batch_count")] if rows else []
+    keys = list(dict.fromkeys(k for r in rows for k in r
+                              if k not in ("epoch", "num_samples", "batch_count")))
     for key in keys:
         weighted = [(r[key], r["num_samples"]) for r in rows if r.get(key) is not None]
         weight = sum(n for _, n in weighted)

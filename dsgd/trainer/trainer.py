@@ -17,12 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from dsgd import training
+from dsgd import constants, training
 from dsgd.actors import actor_died_errors
 from dsgd.data import Dataset
 from dsgd.data.dataset import is_ray_dataset
 from dsgd.data.feeds import RowSpans
-from dsgd.errors import StepTimeoutError
 from dsgd.sgd import DistributedSGD
 from dsgd.trainer import results
 from dsgd.trainer.operator import BATCH_SIZE, TrainingOperator
@@ -100,6 +99,10 @@ class Trainer:
         self.logdir = logdir
         self._writer = None
         self._driver_operator = None
+        self._info: dict | None = None
+        # A replaced worker copies weights, optimizer state, epoch and batch number from
+        # a survivor (get_state_variables); give it train()'s info too.
+        self.sgd.on_workers_changed.append(self._resend_info)
 
     # -- training ----------------------------------------------------------------------------
     def train(self, num_steps: int | None = None, dataset: Dataset | None = None,
@@ -115,6 +118,7 @@ class Trainer:
         train_batch's batch_info (a change retraces the compiled step)."""
         self.epoch += 1
         epoch = self.epoch
+        self._info = info
         changed = self.sgd.foreach_model(lambda m: m.start_epoch(epoch, info))
         if any(changed):
             self.sgd.foreach_worker(lambda w: w.replicas.retrace())
@@ -141,8 +145,7 @@ class Trainer:
         if self._validation_data is None:
             raise ValueError("no validation data: register_data(validation_data=...) in setup")
         start = time.perf_counter()
-        self.sgd.foreach_model(lambda m: m.begin_validation(info))
-        tallies = self._run_each(validate_share, self._validation_sources, num_steps)
+        tallies = self._run_each(validate_share, self._validation_sources, num_steps, info)
         states = _sum_states([t["metric_states"] for t in tallies])
         metrics = self.sgd.for_model(lambda m: m.metric_results(states)) if states else {}
         result = results.validation_results(tallies, metrics, reduce_results,
@@ -180,8 +183,10 @@ class Trainer:
             operator.setup(self._replica_config)
             self._driver_operator = operator
         models = self._driver_operator._models
-        weights = self.sgd.for_model(lambda m: [np.array(v.numpy()) for v in m.get_state_variables()])
         flat = [v for model in models for v in model.weights]
+        # The replica's state variables: the models' weights, then epoch and batch_idx.
+        weights = self.sgd.for_model(
+            lambda m: [np.array(v.numpy()) for v in m.get_state_variables()[:-2]])
         for variable, value in zip(flat, weights, strict=True):
             variable.assign(value)
         return models[0] if len(models) == 1 else list(models)
@@ -250,25 +255,24 @@ class Trainer:
         return sources
 
     def _run_each(self, fn: Callable, sources: Callable[[], list], *args) -> list:
-        """fn(worker, source, *args) on every worker, one source each; a worker that
-        dies (or hangs, with replace_hung) is replaced and the whole call redone."""
+        """fn(worker, source, *args) on every worker, one source each, each call at
+        most VALIDATION_TIMEOUT_STEPS x step_timeout_s (a worker validates its whole
+        share in one call, so a long call is no sign of a hang: a timeout raises,
+        it kills nobody); a worker that dies is replaced and the whole call redone."""
         from dsgd import recovery
 
+        timeout_s = constants.VALIDATION_TIMEOUT_STEPS * self.sgd.step_timeout_s
         while True:
             workers = list(self.sgd.workers)
             try:
                 refs = [w.run.remote(fn, source, *args) for w, source in zip(workers, sources())]
-                return self.sgd._wait(refs, workers, "validating", self.sgd.step_timeout_s)
+                return self.sgd._wait(refs, workers, "validating", timeout_s)
             except actor_died_errors() as e:
                 recovery.recover(self.sgd, e)
-            except StepTimeoutError as e:
-                if not self.sgd.replace_hung or not getattr(e, "late", None):
-                    raise
-                logger.warning("validation: killing hung actor(s) %s to replace them",
-                               ", ".join(self.sgd.actors.name(h) for h in e.late))
-                for handle in e.late:
-                    self.sgd.actors.kill(handle)
-                recovery.recover(self.sgd, e)
+
+    def _resend_info(self) -> None:
+        info = self._info
+        self.sgd.foreach_model(lambda m: m.set_info(info))
 
     def _log(self, scalars: dict[str, Any]) -> None:
         if not self.logdir:
