@@ -1,7 +1,7 @@
 """Exchange cost of dsgd's "ps" strategy against the memory bound and a plain-Ray peer.
 
     python benchmarks/comm.py [--sizes 25 50 100] [--workers 2] [--ps 2] [--steps 20]
-                              [--variables 20] [--shard-mb 10]
+                              [--variables 20] [--shard-mb 10] [--compression fp16 bf16]
 
 For each gradient size S (MiB per worker), one run measures, as per-step medians:
   memcpy_s     numpy copy of S MiB into a warm buffer (the memory bound's unit)
@@ -124,13 +124,14 @@ def raylet_pid() -> int | None:
     return None
 
 
-def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables):
+def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, compression=None):
     """Per-step medians of the dsgd step and its phases, plus where the CPU went:
     CPU ms and minor page faults per step of every process (Linux /proc)."""
     import ray
 
     with dsgd.DistributedSGD(lambda w, d: FlatModel(mib, num_variables), workers, 1, gpu=False,
-                             strategy="ps", num_ps=num_ps, grad_shard_bytes=shard_bytes) as sgd:
+                             strategy="ps", num_ps=num_ps, grad_shard_bytes=shard_bytes,
+                             compression=compression) as sgd:
         for _ in range(warmup):
             sgd.step()
         pids = {f"worker{i}": ray.get(w.ping.remote(), timeout=60)["pid"]
@@ -266,6 +267,8 @@ def main(argv=None):
                    help="grad_shard_bytes in MB (10 is dsgd's default)")
     p.add_argument("--preallocate-store", action="store_true",
                    help="populate the object store's pages at start (RAY_preallocate_plasma_memory)")
+    p.add_argument("--compression", nargs="*", default=[], choices=["fp16", "bf16"],
+                   help="also run dsgd with these gradient compressions (dsgd_<c>_s columns)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "comm.json"))
     args = p.parse_args(argv)
     import ray
@@ -293,6 +296,16 @@ def main(argv=None):
         row["dsgd_over_floor"] = row["dsgd_s"] / row["peer_s"]
         row["dsgd_train_s"] = phases["train_step_s"]
         row["dsgd_train_over_floor"] = row["dsgd_train_s"] / row["peer_s"]
+        for compression in args.compression:
+            cphases = dsgd_s(mib, args.workers, args.ps, args.steps, args.warmup,
+                             int(args.shard_mb * 1e6), args.variables, compression)
+            row[f"dsgd_{compression}_s"] = cphases["step_s"]
+            row[f"dsgd_{compression}_train_s"] = cphases["train_step_s"]
+            row[f"dsgd_{compression}_over_floor"] = cphases["step_s"] / row["peer_s"]
+            row[f"dsgd_{compression}_phases"] = cphases
+            print(f"        compression {compression}: dsgd step {1e3 * cphases['step_s']:.1f} ms "
+                  f"({row[f'dsgd_{compression}_over_floor']:.2f} x the floor), train() step "
+                  f"{1e3 * cphases['train_step_s']:.1f} ms", flush=True)
         rows.append(row)
         print(f"{mib:6.1f} MiB: memcpy {1e3 * row['memcpy_s']:.1f} ms, plain {1e3 * row['plain_s']:.1f} ms, "
               f"dsgd {1e3 * row['dsgd_s']:.1f} ms, exchange {1e3 * row['exchange_s']:.1f} ms "

@@ -12,7 +12,8 @@ from dsgd.errors import ResourceError
 
 def check_args(model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
                all_reduce_alg, num_ps, num_cpus_per_worker, step_timeout_s, start_timeout_s,
-               stall_warning_s=None, on_nonfinite="raise", max_failures=0, elastic=False):
+               stall_warning_s=None, on_nonfinite="raise", max_failures=0, elastic=False,
+               compression=None):
     if not callable(model_creator):
         raise TypeError(f"model_creator must be callable as (worker_index, device_index) -> "
                         f"dsgd.Model, got {type(model_creator).__name__}")
@@ -31,6 +32,12 @@ def check_args(model_creator, num_workers, devices_per_worker, gpu, strategy, gr
     if strategy not in constants.STRATEGIES:
         raise ValueError(f"strategy must be one of {list(constants.STRATEGIES)}, got {strategy!r}")
     check_algorithm(all_reduce_alg, gpu)
+    if compression is not None and compression not in constants.COMPRESSIONS:
+        raise ValueError(f"compression must be None or one of {list(constants.COMPRESSIONS)}, "
+                         f"got {compression!r}")
+    if compression is not None and strategy != "ps":
+        raise ValueError(f"compression={compression!r} needs strategy='ps' (strategy="
+                         f"{strategy!r} is the uncompressed reference)")
     numbers = [("num_cpus_per_worker", num_cpus_per_worker), ("step_timeout_s", step_timeout_s),
                ("start_timeout_s", start_timeout_s)]
     if stall_warning_s is not None:

@@ -1,6 +1,8 @@
 """Every tunable default of dsgd, with its unit, in one place."""
 
 STRATEGIES = ("simple", "ps")
+# Gradient compression (strategy="ps"): the 16-bit type float32 gradients travel as.
+COMPRESSIONS = {"fp16": "float16", "bf16": "bfloat16"}
 # Local allreduce across one worker's devices; see dsgd/allreduce.py.
 ALL_REDUCE_ALGS = ("simple", "tree", "nccl")
 

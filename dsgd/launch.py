@@ -62,7 +62,8 @@ def start_workers(sgd, slots: list[int], first: bool = False) -> None:
         check_signatures(infos)
         shapes, dtypes = infos[0]["shapes"], infos[0]["dtypes"]
         sgd._signature = infos[0]
-        sgd.plan: ShardPlan = (plan_shards(shapes, dtypes, sgd.grad_shard_bytes)
+        sgd.plan: ShardPlan = (plan_shards(shapes, dtypes, sgd.grad_shard_bytes,
+                                           compression=sgd.compression)
                                if sgd.strategy == "ps" else whole_plan(shapes, dtypes))
         check_store(sgd.plan, sgd.num_workers)
         sgd._warm_store_bytes = store.warm_bytes(sgd.plan, sgd.num_workers)

@@ -66,22 +66,25 @@ def library():
 
 
 def read_shards(addresses, byte_sizes, plan) -> list:
-    """The variables' gradients (in plan variable order, shaped) read from shard
-    buffers: `addresses[j]`/`byte_sizes[j]` (int64 tensors) locate shard j, laid
-    out as `plan.shards[j]`.
+    """The variables' gradients (in plan variable order, shaped, of the variables'
+    dtypes) read from shard buffers: `addresses[j]`/`byte_sizes[j]` (int64
+    tensors) locate shard j, laid out as `plan.shards[j]`.
 
     Zero-copy where a variable sits whole in one shard at a 64-byte-aligned
-    address (the tensor aliases the buffer); copied otherwise. Ownership: the
-    caller keeps every buffer alive and unchanged until TensorFlow is done with
-    the returned tensors (in dsgd, until the compiled apply step returns).
+    address (the tensor aliases the buffer); copied otherwise, and always for
+    compressed (16-bit) shards, which are widened to float32 in that one copy.
+    Ownership: the caller keeps every buffer alive and unchanged until
+    TensorFlow is done with the returned tensors (in dsgd, until the compiled
+    apply step returns).
     """
     import tensorflow as tf
 
     lib = library()
     outputs: list = [None] * len(plan.shapes)
-    for dtype in sorted(set(plan.dtypes)):
-        shard_ids = [j for j, s in enumerate(plan.shards) if s.dtype == dtype]
-        var_ids = [v for v, d in enumerate(plan.dtypes) if d == dtype]
+    wire = [plan.shards[plan.pieces_of(v)[0][0]].dtype for v in range(len(plan.shapes))]
+    for wire_dtype, dtype in sorted(set(zip(wire, plan.dtypes))):
+        shard_ids = [j for j, s in enumerate(plan.shards) if s.dtype == wire_dtype]
+        var_ids = [v for v, d in enumerate(plan.dtypes) if d == dtype and wire[v] == wire_dtype]
         local_shard = {j: k for k, j in enumerate(shard_ids)}
         pieces = []
         for k, v in enumerate(var_ids):
@@ -90,7 +93,7 @@ def read_shards(addresses, byte_sizes, plan) -> list:
         index = tf.constant(shard_ids, tf.int32)
         results = lib.dsgd_read_shards(
             addresses=tf.gather(addresses, index), byte_sizes=tf.gather(byte_sizes, index),
-            T=tf.as_dtype(dtype), num_outputs=len(var_ids),
+            T=tf.as_dtype(dtype), wire=tf.as_dtype(wire_dtype), num_outputs=len(var_ids),
             shapes=[list(plan.shapes[v]) for v in var_ids],
             shard_elements=[plan.shards[j].num_elements for j in shard_ids], pieces=pieces)
         for v, tensor in zip(var_ids, results):

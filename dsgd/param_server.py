@@ -42,7 +42,7 @@ class ParameterServer:
         for k, shard in enumerate(shards):
             key = (k, shard.dtype, shard.num_elements)
             if key not in self._scratch:
-                self._scratch[key] = np.zeros(shard.num_elements, shard.dtype)
+                self._scratch[key] = np.zeros(shard.num_elements, shard.wire_numpy_dtype)
             out.append(self._scratch[key])
         for k, (shard, pieces) in enumerate(zip(shards, split_group(shards, worker_groups))):
             try:
@@ -50,6 +50,9 @@ class ParameterServer:
             except ValueError as e:
                 raise ValueError(f"PS {self.ps_index}, shard {k} of its group: {e}") from e
         return tuple(out)
+
+
+_HALF_FORMATS = {"float16": "f16", "bfloat16": "bf16"}
 
 
 def split_group(shards, worker_groups) -> list[list[tuple]]:
@@ -68,16 +71,23 @@ def split_group(shards, worker_groups) -> list[list[tuple]]:
 
 def mean_shard(shard: Shard, worker_pieces, out: np.ndarray | None = None) -> np.ndarray:
     """Mean over workers of one shard given as each worker's tuple of pieces,
-    written into `out` (a new array if None) in the shard's layout."""
+    written into `out` (a new array if None) in the shard's layout. 16-bit
+    shards (float16, bfloat16 as uint16 bits: compressed gradients) are summed
+    in float32 and the mean rounded back to 16 bits."""
     if out is None:
-        out = np.empty(shard.num_elements, shard.dtype)
+        out = np.empty(shard.num_elements, shard.wire_numpy_dtype)
     scale = 1.0 / len(worker_pieces)
+    half = _HALF_FORMATS.get(shard.dtype)
     cursor = 0
     for k, piece in enumerate(shard.pieces):
         out[cursor:piece.shard_offset] = 0
         end = piece.shard_offset + piece.length
         try:
-            _core.sum_scaled([pieces[k] for pieces in worker_pieces], out[piece.shard_offset:end], scale)
+            inputs = [pieces[k] for pieces in worker_pieces]
+            if half is None:
+                _core.sum_scaled(inputs, out[piece.shard_offset:end], scale)
+            else:
+                _core.sum_scaled_16(inputs, out[piece.shard_offset:end], scale, half)
         except (ValueError, TypeError, IndexError) as e:
             raise ValueError(f"piece {k} of the shard (variable {piece.var_index}): {e}") from e
         cursor = end

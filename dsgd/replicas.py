@@ -100,6 +100,10 @@ class Replicas:
         gradient's check, whatever the result, and the caller raises afterwards."""
 
         self.plan = plan
+        # The dtype each variable's gradient travels as (its shards'): its own, or
+        # float16/bfloat16 for a float32 gradient under compression.
+        self.wire_dtypes = [plan.shards[plan.pieces_of(v)[0][0]].dtype
+                            for v in range(len(plan.shapes))]
         self.check_finite = on_nonfinite != "ignore"
         self.gate_apply = on_nonfinite == "skip"
         self.retrace()
@@ -124,7 +128,10 @@ class Replicas:
     def compute(self, batches: list | None = None):
         """Batches (as for `local_step`) -> gradients -> local mean, in one
         compiled call. Returns (losses [D], finite [D], the mean gradient of every
-        variable, flattened, metrics {name: [D]})."""
+        variable, flattened, as the plan's shards hold it (cast to float16, or to
+        bfloat16 and bitcast to uint16, under compression), metrics {name: [D]}).
+        Under fp16 compression a mean that overflows float16 counts as not finite
+        on every replica."""
         return self._compute_fn(self._tensors(batches))
 
     def shard_pieces(self, flat_grads) -> list[tuple[np.ndarray, ...]]:
@@ -147,11 +154,11 @@ class Replicas:
             raise DsgdError(f"worker {self.worker_index}: got {len(shards)} shards, "
                             f"the plan has {self.plan.num_shards}")
         for j, (array, shard) in enumerate(zip(shards, self.plan.shards)):
-            if not isinstance(array, np.ndarray) or array.dtype != np.dtype(shard.dtype) \
+            if not isinstance(array, np.ndarray) or array.dtype != shard.wire_numpy_dtype \
                     or array.ndim != 1 or not array.flags.c_contiguous:
                 raise DsgdError(f"worker {self.worker_index}: shard {j} must be a 1-D contiguous "
-                                f"{shard.dtype} array, got {getattr(array, 'dtype', type(array))}"
-                                f"{getattr(array, 'shape', '')}")
+                                f"{shard.wire_numpy_dtype} array, got "
+                                f"{getattr(array, 'dtype', type(array))}{getattr(array, 'shape', '')}")
         addresses = tf.constant([ops.buffer_address(a) for a in shards], tf.int64)
         byte_sizes = tf.constant([a.nbytes for a in shards], tf.int64)
         self._apply_fn(addresses, byte_sizes)
@@ -221,7 +228,12 @@ class Replicas:
         import tensorflow as tf
 
         losses, finite, means, _, metrics = self._replica_means(batches)
-        return losses, finite, [tf.reshape(g, [-1]) for g in means[0]], metrics
+        wire = [_to_wire(tf.reshape(g, [-1]), d) for g, d in zip(means[0], self.wire_dtypes)]
+        narrowed = [w for w, g in zip(wire, means[0])
+                     if w.dtype == tf.float16 and g.dtype != tf.float16]
+        if self.check_finite and narrowed:
+            finite = tf.logical_and(finite, ops.all_finite(narrowed))
+        return losses, finite, wire, metrics
 
     def _apply_graph(self, addresses, byte_sizes):
         grads = ops.read_shards(addresses, byte_sizes, self.plan)
@@ -255,6 +267,16 @@ def _finite_flags(grads, gpu: bool) -> list:
     return [None if not g.dtype.is_floating
             else ops.all_finite([g]) if not gpu and g.dtype in native
             else tf.reduce_all(tf.math.is_finite(g)) for g in grads]
+
+
+def _to_wire(gradient, wire_dtype: str):
+    """A flat gradient as its shards hold it: float16 as is, bfloat16 as its uint16
+    bits (numpy views it without a copy, and Ray pickles it without ml_dtypes)."""
+    import tensorflow as tf
+
+    if wire_dtype == "bfloat16":
+        return tf.bitcast(tf.cast(gradient, tf.bfloat16), tf.uint16)
+    return tf.cast(gradient, tf.as_dtype(wire_dtype))
 
 
 def _after(tensor, flags: list):

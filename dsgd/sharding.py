@@ -19,6 +19,17 @@ from typing import Sequence
 
 import numpy as np
 
+from dsgd import constants
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name (bfloat16 included, which numpy lacks)."""
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+
+
+def wire_numpy_dtype(dtype: str) -> np.dtype:
+    return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
+
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
@@ -44,7 +55,12 @@ class Shard:
 
     @property
     def nbytes(self) -> int:
-        return self.num_elements * np.dtype(self.dtype).itemsize
+        return self.num_elements * itemsize(self.dtype)
+
+    @property
+    def wire_numpy_dtype(self) -> np.dtype:
+        """The numpy dtype of the shard's buffers (bfloat16 travels as uint16 bits)."""
+        return wire_numpy_dtype(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,11 +101,20 @@ class ShardPlan:
 
 
 def plan_shards(shapes: Sequence[Sequence[int]], dtypes: Sequence[str],
-                shard_bytes: int, align_bytes: int = 64) -> ShardPlan:
+                shard_bytes: int, align_bytes: int = 64,
+                compression: str | None = None) -> ShardPlan:
     """Pack variables (in reverse order) into shards of at most `shard_bytes` bytes,
-    each piece starting at a multiple of `align_bytes` (rounded to whole elements)."""
+    each piece starting at a multiple of `align_bytes` (rounded to whole elements).
+    With `compression` ("fp16" or "bf16"), float32 gradients travel as that 16-bit
+    type: their shards' dtype is "float16" or "bfloat16" (plan.dtypes stays the
+    variables' own); other dtypes travel as they are."""
     if len(shapes) != len(dtypes):
         raise ValueError(f"plan_shards: {len(shapes)} shapes but {len(dtypes)} dtypes")
+    if compression is not None and compression not in constants.COMPRESSIONS:
+        raise ValueError(f"compression must be None or one of {list(constants.COMPRESSIONS)}, "
+                         f"got {compression!r}")
+    wire = [constants.COMPRESSIONS[compression] if compression and str(d) == "float32" else str(d)
+            for d in dtypes]
     if not isinstance(shard_bytes, int) or shard_bytes <= 0:
         raise ValueError(f"grad_shard_bytes must be a positive int, got {shard_bytes!r}")
     shards: list[Shard] = []
@@ -104,15 +129,15 @@ def plan_shards(shapes: Sequence[Sequence[int]], dtypes: Sequence[str],
         pieces, used = [], 0
 
     for v in reversed(range(len(shapes))):
-        itemsize = np.dtype(dtypes[v]).itemsize
-        align = max(1, align_bytes // itemsize)
-        capacity = shard_bytes // itemsize
+        size_of = itemsize(wire[v])
+        align = max(1, align_bytes // size_of)
+        capacity = shard_bytes // size_of
         if capacity == 0:
             raise ValueError(f"grad_shard_bytes={shard_bytes} is smaller than one element "
-                             f"of variable {v} ({dtypes[v]}, {itemsize} bytes)")
-        if dtypes[v] != dtype:
+                             f"of variable {v} ({wire[v]}, {size_of} bytes)")
+        if wire[v] != dtype:
             close()
-            dtype = dtypes[v]
+            dtype = wire[v]
         size = math.prod(shapes[v])
         # A variable that fits in a shard is never split (it starts a new shard if
         # the open one is too full): whole variables are read without a copy.

@@ -140,16 +140,16 @@ def test_bad_input_is_a_python_error():
         read([shards[0][:-1]], plan)  # wrong total size
     with pytest.raises(tf.errors.InvalidArgumentError, match="expected 1 addresses and byte sizes, got 0"):
         ops.library().dsgd_read_shards(
-            addresses=tf.zeros([0], tf.int64), byte_sizes=tf.zeros([0], tf.int64), T=tf.float32,
+            addresses=tf.zeros([0], tf.int64), byte_sizes=tf.zeros([0], tf.int64), T=tf.float32, wire=tf.float32,
             num_outputs=1, shapes=[[4]], shard_elements=[4], pieces=[0, 0, 4, 0, 0])
     with pytest.raises(tf.errors.InvalidArgumentError, match="has address 0"):
         ops.library().dsgd_read_shards(
-            addresses=tf.zeros([1], tf.int64), byte_sizes=tf.constant([16], tf.int64), T=tf.float32,
+            addresses=tf.zeros([1], tf.int64), byte_sizes=tf.constant([16], tf.int64), T=tf.float32, wire=tf.float32,
             num_outputs=1, shapes=[[4]], shard_elements=[4], pieces=[0, 0, 4, 0, 0])
     with pytest.raises(tf.errors.InvalidArgumentError, match="has 4 elements but its pieces cover 3"):
         ops.library().dsgd_read_shards(
             addresses=tf.constant([ops.buffer_address(shards[0])], tf.int64),
-            byte_sizes=tf.constant([16], tf.int64), T=tf.float32,
+            byte_sizes=tf.constant([16], tf.int64), T=tf.float32, wire=tf.float32,
             num_outputs=1, shapes=[[4]], shard_elements=[4], pieces=[0, 0, 3, 0, 0])
 
 

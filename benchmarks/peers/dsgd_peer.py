@@ -1,5 +1,5 @@
-"""Peer: dsgd (`strategy` "ps" or "simple"), `num_workers` worker actors with one
-replica each, on an embedded local Ray cluster."""
+"""Peer: dsgd (`strategy` "ps" or "simple", optionally `compression`), `num_workers`
+worker actors with one replica each, on an embedded local Ray cluster."""
 
 from __future__ import annotations
 
@@ -35,7 +35,9 @@ def main(argv=None):
     def creator(worker_index, device_index):
         return PeerModel(config, seed=worker_index)
 
-    with dsgd.DistributedSGD(creator, args.num_workers, 1, gpu=False, strategy=args.strategy) as sgd:
+    compression = args.compression if args.num_workers > 1 else None  # 1 worker: no exchange
+    with dsgd.DistributedSGD(creator, args.num_workers, 1, gpu=False, strategy=args.strategy,
+                             compression=compression) as sgd:
         grad_bytes = sum(s.nbytes for s in sgd.plan.shards)
         stats = []
 

@@ -2,7 +2,7 @@
 batch and worker counts, in one run: one JSON file and one PNG chart.
 
     python benchmarks/peers/run.py [--configs comm compute] [--workers 1 2] [--steps 10]
-        [--peers plain_tf dsgd_simple dsgd_ps mwms pss dsgd_raytrain horovod]
+        [--peers plain_tf dsgd_simple dsgd_ps dsgd_ps_fp16 dsgd_ps_bf16 mwms pss dsgd_raytrain horovod]
         [--out benchmarks/results/peers.json]
 
 Every peer runs in fresh processes (`python benchmarks/peers/<peer>.py ...`), one at a
@@ -31,6 +31,10 @@ PEERS = {  # name: (label, script, extra args, synchronous)
     "plain_tf": ("plain TF, 1 process (ceiling)", "plain_tf.py", [], True),
     "dsgd_simple": ("dsgd simple", "dsgd_peer.py", ["--strategy", "simple"], True),
     "dsgd_ps": ("dsgd ps", "dsgd_peer.py", ["--strategy", "ps"], True),
+    "dsgd_ps_fp16": ("dsgd ps, fp16 compression", "dsgd_peer.py",
+                     ["--strategy", "ps", "--compression", "fp16"], True),
+    "dsgd_ps_bf16": ("dsgd ps, bf16 compression", "dsgd_peer.py",
+                     ["--strategy", "ps", "--compression", "bf16"], True),
     "mwms": ("TF MultiWorkerMirrored", "mwms.py", [], True),
     "pss": ("TF ParameterServer (async)", "pss.py", [], False),
     "dsgd_raytrain": ("dsgd Ray Train (DistributedGradientTape)", "dsgd_raytrain.py", [], True),

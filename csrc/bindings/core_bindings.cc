@@ -56,6 +56,35 @@ void SumScaled(const std::vector<py::array>& inputs, py::array out, double scale
   }
 }
 
+void SumScaled16(const std::vector<py::array>& inputs, py::array out, double scale,
+                 const std::string& format, int max_threads) {
+  if (format != "f16" && format != "bf16")
+    throw py::value_error("sum_scaled_16: format must be f16 or bf16; got " + format);
+  if (inputs.empty())
+    throw py::value_error("sum_scaled_16: `inputs` is empty; pass at least one array");
+  if (!out.writeable()) throw py::value_error("sum_scaled_16: `out` is read-only");
+  auto check = [&](const py::array& a, const std::string& what) {
+    if (!(a.flags() & py::array::c_style))
+      throw py::value_error("sum_scaled_16: " + what + " is not C-contiguous");
+    if (a.itemsize() != 2)
+      throw py::type_error("sum_scaled_16: " + what + " has " + std::to_string(a.itemsize()) +
+                           "-byte elements; pass float16 or uint16 (bfloat16 bits)");
+    if (a.size() != out.size())
+      throw py::value_error("sum_scaled_16: " + what + " has " + std::to_string(a.size()) +
+                            " elements but `out` has " + std::to_string(out.size()));
+  };
+  check(out, "`out`");
+  for (std::size_t i = 0; i < inputs.size(); ++i) check(inputs[i], "inputs[" + std::to_string(i) + "]");
+  std::vector<const std::uint16_t*> pointers;
+  for (const auto& a : inputs) pointers.push_back(static_cast<const std::uint16_t*>(a.data()));
+  auto* out_ptr = static_cast<std::uint16_t*>(out.mutable_data());
+  const std::size_t length = static_cast<std::size_t>(out.size());
+  const bool bfloat16 = format == "bf16";
+  py::gil_scoped_release release;
+  dsgd::SumScaled16(pointers.data(), pointers.size(), length, static_cast<float>(scale), out_ptr,
+                    bfloat16, max_threads);
+}
+
 void CheckContiguous(const py::array& a, const std::string& what) {
   if (!(a.flags() & py::array::c_style))
     throw py::value_error(what + " is not C-contiguous");
@@ -165,6 +194,22 @@ it may be inputs[0] only if that is writable. max_threads <= 0 uses every core.)
   m.def("cast_f16_to_f32", [](const py::array& input, py::array out) {
           Cast<std::uint16_t, float>(input, out, "cast_f16_to_f32", dsgd::CastF16ToF32);
         }, py::arg("input"), py::arg("out"), "float16 (or uint16 bits) -> float32, exact.");
+  m.def("cast_f32_to_bf16", [](const py::array& input, py::array out) {
+          Cast<float, std::uint16_t>(input, out, "cast_f32_to_bf16", dsgd::CastF32ToBF16);
+        }, py::arg("input"), py::arg("out"),
+        "float32 -> bfloat16 bits (out: uint16), round-to-nearest-even like ml_dtypes.");
+  m.def("cast_bf16_to_f32", [](const py::array& input, py::array out) {
+          Cast<std::uint16_t, float>(input, out, "cast_bf16_to_f32", dsgd::CastBF16ToF32);
+        }, py::arg("input"), py::arg("out"), "bfloat16 bits (uint16) -> float32, exact.");
+  m.def("sum_scaled_16", &SumScaled16, py::arg("inputs"), py::arg("out"), py::arg("scale"),
+        py::arg("format"), py::arg("max_threads") = 0,
+        R"doc(out[:] = 16-bit((f32(inputs[0]) + f32(inputs[1]) + ...) * f32(scale)).
+
+For gradient compression: inputs and `out` hold 16-bit values (format "f16":
+float16 arrays or their uint16 bits; "bf16": bfloat16 bits as uint16), widened
+and summed left to right in float32, scaled once and rounded to nearest even.
+Blocks until done and releases the GIL. Inputs may be read-only; `out` must be
+writable and C-contiguous, of the same size. max_threads <= 0 uses every core.)doc");
   m.def("all_finite", &AllFinite, py::arg("input"), py::arg("format"),
         "True iff no element of `input` (C-contiguous; its bits read as `format`: f16, bf16, "
         "f32 or f64) is Inf or NaN. One single-threaded read; releases the GIL.");

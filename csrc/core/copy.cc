@@ -104,7 +104,49 @@ float FromHalf(std::uint16_t h) {
   return FromBits(sign | ((exponent + 112) << 23) | (mantissa << 13));
 }
 
+std::uint16_t ToBFloat16(float value) {
+  const std::uint32_t x = Bits(value);
+  if ((x & 0x7fffffffu) > 0x7f800000u)  // NaN: truncate, keep it quiet (never rounds to inf)
+    return static_cast<std::uint16_t>((x >> 16) | 0x0040u);
+  // Round the 16 dropped bits to nearest even; a carry into the exponent is correct
+  // (it rounds up to the next binade, or to inf past the largest bfloat16).
+  return static_cast<std::uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+float FromBFloat16(std::uint16_t b) { return FromBits(static_cast<std::uint32_t>(b) << 16); }
+
 }  // namespace
+
+void CastF32ToBF16(const float* src, std::uint16_t* dst, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = ToBFloat16(src[i]);
+}
+
+void CastBF16ToF32(const std::uint16_t* src, float* dst, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = FromBFloat16(src[i]);
+}
+
+void WidenToF32(const std::uint16_t* src, float* dst, std::size_t n, bool bfloat16,
+                int max_threads) {
+  auto run = [=](std::size_t begin, std::size_t end) {
+    if (bfloat16)
+      CastBF16ToF32(src + begin, dst + begin, end - begin);
+    else
+      CastF16ToF32(src + begin, dst + begin, end - begin);
+  };
+  std::size_t threads = max_threads > 0 ? static_cast<std::size_t>(max_threads)
+                                        : std::max(1u, std::thread::hardware_concurrency());
+  threads = std::min(threads, std::max<std::size_t>(1, n * sizeof(float) / kMinBytesPerThread));
+  if (threads <= 1) {
+    run(0, n);
+    return;
+  }
+  const std::size_t share = ((n + threads - 1) / threads + 15) / 16 * 16;  // whole cache lines
+  std::vector<std::thread> pool;
+  for (std::size_t begin = share; begin < n; begin += share)
+    pool.emplace_back(run, begin, std::min(n, begin + share));
+  run(0, std::min(n, share));
+  for (auto& t : pool) t.join();
+}
 
 void CastF32ToF16(const float* src, std::uint16_t* dst, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) dst[i] = ToHalf(src[i]);

@@ -1,4 +1,4 @@
-// Fuse many buffers into one, split one into many, and fp32 <-> fp16 casts.
+// Fuse many buffers into one, split one into many, and fp32 <-> fp16/bf16 casts.
 // Plain C++17 on pointers and lengths; no Python or TensorFlow headers.
 #pragma once
 
@@ -31,6 +31,17 @@ void Split(const void* src, void* const* dsts, const std::size_t* bytes, std::si
 // infinities and NaN (as numpy's astype does).
 void CastF32ToF16(const float* src, std::uint16_t* dst, std::size_t n);
 void CastF16ToF32(const std::uint16_t* src, float* dst, std::size_t n);
+
+// bfloat16 (the upper 16 bits of a binary32) <-> binary32: round-to-nearest-even,
+// NaN kept NaN (quiet), as TensorFlow's and ml_dtypes' bfloat16 do.
+void CastF32ToBF16(const float* src, std::uint16_t* dst, std::size_t n);
+void CastBF16ToF32(const std::uint16_t* src, float* dst, std::size_t n);
+
+// Widens `n` 16-bit values (binary16 if `bfloat16` is false, else bfloat16) to
+// float32, exactly. Large buffers are split over up to `max_threads` threads
+// (<= 0: hardware_concurrency()). Blocks until done.
+void WidenToF32(const std::uint16_t* src, float* dst, std::size_t n, bool bfloat16,
+                int max_threads);
 
 // Bytes below which a copy is not worth a thread.
 constexpr std::size_t kMinBytesPerThread = std::size_t{1} << 20;

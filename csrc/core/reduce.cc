@@ -1,5 +1,7 @@
 #include "core/reduce.h"
 
+#include "core/copy.h"
+
 #include <emmintrin.h>
 
 #include <algorithm>
@@ -107,6 +109,47 @@ void SumScaled(const T* const* inputs, std::size_t num_inputs, std::size_t lengt
     std::size_t end = std::min(length, begin + block);
     pool.emplace_back(SumScaledRange<T>, inputs, num_inputs, begin, end, scale, out);
   }
+  for (auto& t : pool) t.join();
+}
+
+namespace {
+
+void SumScaled16Range(const std::uint16_t* const* inputs, std::size_t num_inputs,
+                      std::size_t begin, std::size_t end, float scale, std::uint16_t* out,
+                      bool bfloat16) {
+  auto widen = bfloat16 ? CastBF16ToF32 : CastF16ToF32;
+  auto narrow = bfloat16 ? CastF32ToBF16 : CastF32ToF16;
+  float sum[kBlockElements], next[kBlockElements];  // stay in L1 across the passes
+  for (std::size_t b = begin; b < end; b += kBlockElements) {
+    const std::size_t n = std::min(end, b + kBlockElements) - b;
+    widen(inputs[0] + b, sum, n);
+    for (std::size_t i = 1; i < num_inputs; ++i) {
+      widen(inputs[i] + b, next, n);
+      for (std::size_t k = 0; k < n; ++k) sum[k] += next[k];
+    }
+    for (std::size_t k = 0; k < n; ++k) sum[k] *= scale;
+    narrow(sum, out + b, n);
+  }
+}
+
+}  // namespace
+
+void SumScaled16(const std::uint16_t* const* inputs, std::size_t num_inputs, std::size_t length,
+                 float scale, std::uint16_t* out, bool bfloat16, int max_threads) {
+  if (num_inputs == 0 || length == 0) return;
+  std::size_t threads = max_threads > 0 ? static_cast<std::size_t>(max_threads)
+                                        : std::max(1u, std::thread::hardware_concurrency());
+  threads = std::min(threads, std::max<std::size_t>(1, length / kMinElementsPerThread));
+  if (threads <= 1) {
+    SumScaled16Range(inputs, num_inputs, 0, length, scale, out, bfloat16);
+    return;
+  }
+  std::size_t block = ((length + threads - 1) / threads + 31) / 32 * 32;  // whole cache lines
+  std::vector<std::thread> pool;
+  pool.reserve(threads);
+  for (std::size_t begin = 0; begin < length; begin += block)
+    pool.emplace_back(SumScaled16Range, inputs, num_inputs, begin, std::min(length, begin + block),
+                      scale, out, bfloat16);
   for (auto& t : pool) t.join();
 }
 

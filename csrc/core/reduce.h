@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace dsgd {
 
@@ -19,6 +20,14 @@ namespace dsgd {
 template <typename T>
 void SumScaled(const T* const* inputs, std::size_t num_inputs, std::size_t length,
                T scale, T* out, int max_threads);
+
+// The same for 16-bit inputs and output (binary16 if `bfloat16` is false, else
+// bfloat16; passed as their bits): every input widened to float32, summed left
+// to right in float32, scaled once, rounded to nearest even. Bit-identical to
+// numpy's `(a.astype(f32) + b.astype(f32) + ...) * f32(scale)` then `.astype`
+// to the 16-bit type. `out` may alias inputs[0]. Blocks until done.
+void SumScaled16(const std::uint16_t* const* inputs, std::size_t num_inputs, std::size_t length,
+                 float scale, std::uint16_t* out, bool bfloat16, int max_threads);
 
 // Threads are only worth starting for large buffers.
 constexpr std::size_t kMinElementsPerThread = 1 << 18;

@@ -1,6 +1,7 @@
 // Kernel of DsgdReadShards: turns addresses into tensors, then calls core to copy
-// the pieces that cannot be aliased.
+// the pieces that cannot be aliased (or to widen 16-bit wire values to float).
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "core/copy.h"
@@ -33,8 +34,13 @@ struct Piece {
   int64_t output, output_offset, length, shard, shard_offset;
 };
 
-template <typename T>
+// Wire: the element type in the shard buffers; T: the outputs'. Either the same,
+// or Wire is a 16-bit float (compressed gradients) and T is float.
+template <typename Wire, typename T>
 class ReadShardsOp : public OpKernel {
+  static constexpr bool kWiden = !std::is_same_v<Wire, T>;
+  static_assert(!kWiden || (std::is_same_v<T, float> && sizeof(Wire) == 2));
+
  public:
   explicit ReadShardsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     std::vector<int64_t> flat;
@@ -79,11 +85,11 @@ class ReadShardsOp : public OpKernel {
     auto address = addresses.flat<int64_t>();
     auto bytes = byte_sizes.flat<int64_t>();
     for (int64_t s = 0; s < num_shards; ++s) {
-      const int64_t expected = shard_elements_[s] * static_cast<int64_t>(sizeof(T));
+      const int64_t expected = shard_elements_[s] * static_cast<int64_t>(sizeof(Wire));
       OP_REQUIRES(ctx, bytes(s) == expected,
                   errors::InvalidArgument("shard ", s, " holds ", bytes(s), " bytes but the plan "
                                           "expects ", shard_elements_[s], " elements of ",
-                                          DataTypeString(DataTypeToEnum<T>::value), " (", expected,
+                                          DataTypeString(DataTypeToEnum<Wire>::value), " (", expected,
                                           " bytes)"));
       OP_REQUIRES(ctx, address(s) != 0, errors::InvalidArgument("shard ", s, " has address 0"));
     }
@@ -91,9 +97,10 @@ class ReadShardsOp : public OpKernel {
     for (size_t o = 0; o < shapes_.size(); ++o) {
       const std::vector<Piece>& pieces = pieces_[o];
       auto at = [&](const Piece& p) {
-        return reinterpret_cast<char*>(address(p.shard)) + p.shard_offset * sizeof(T);
+        return reinterpret_cast<char*>(address(p.shard)) + p.shard_offset * sizeof(Wire);
       };
-      if (pieces.size() == 1 && reinterpret_cast<std::uintptr_t>(at(pieces[0])) % kAlignBytes == 0) {
+      if (!kWiden && pieces.size() == 1 &&
+          reinterpret_cast<std::uintptr_t>(at(pieces[0])) % kAlignBytes == 0) {
         core::RefCountPtr<TensorBuffer> buffer(
             new BorrowedBuffer(at(pieces[0]), pieces[0].length * sizeof(T)));
         ctx->set_output(o, Tensor(DataTypeToEnum<T>::value, shapes_[o], std::move(buffer)));
@@ -102,8 +109,16 @@ class ReadShardsOp : public OpKernel {
       Tensor* out = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(o, shapes_[o], &out));
       char* dst = reinterpret_cast<char*>(out->flat<T>().data());
-      for (const Piece& p : pieces)
-        copies.push_back({at(p), dst + p.output_offset * sizeof(T), p.length * sizeof(T)});
+      for (const Piece& p : pieces) {
+        if constexpr (kWiden) {
+          dsgd::WidenToF32(reinterpret_cast<const std::uint16_t*>(at(p)),
+                           reinterpret_cast<float*>(dst) + p.output_offset,
+                           static_cast<std::size_t>(p.length), std::is_same_v<Wire, bfloat16>,
+                           /*max_threads=*/0);
+        } else {
+          copies.push_back({at(p), dst + p.output_offset * sizeof(T), p.length * sizeof(T)});
+        }
+      }
     }
     dsgd::CopySpans(copies.data(), copies.size(), /*max_threads=*/0);
   }
@@ -114,13 +129,18 @@ class ReadShardsOp : public OpKernel {
   std::vector<std::vector<Piece>> pieces_;
 };
 
-#define REGISTER(T) \
-  REGISTER_KERNEL_BUILDER(Name("DsgdReadShards").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-                          ReadShardsOp<T>);
-REGISTER(Eigen::half)
-REGISTER(bfloat16)
-REGISTER(float)
-REGISTER(double)
+#define REGISTER(Wire, T)                                                      \
+  REGISTER_KERNEL_BUILDER(Name("DsgdReadShards")                               \
+                              .Device(DEVICE_CPU)                              \
+                              .TypeConstraint<Wire>("wire")                    \
+                              .TypeConstraint<T>("T"),                         \
+                          ReadShardsOp<Wire, T>);
+REGISTER(Eigen::half, Eigen::half)
+REGISTER(bfloat16, bfloat16)
+REGISTER(float, float)
+REGISTER(double, double)
+REGISTER(Eigen::half, float)
+REGISTER(bfloat16, float)
 #undef REGISTER
 
 }  // namespace

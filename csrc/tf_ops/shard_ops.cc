@@ -10,6 +10,7 @@ REGISTER_OP("DsgdReadShards")
     .Input("byte_sizes: int64")
     .Output("outputs: num_outputs * T")
     .Attr("T: {half, bfloat16, float, double}")
+    .Attr("wire: {half, bfloat16, float, double}")
     .Attr("num_outputs: int >= 1")
     .Attr("shapes: list(shape)")
     .Attr("shard_elements: list(int)")
@@ -41,11 +42,12 @@ REGISTER_OP("DsgdReadShards")
 Turns buffers that hold gradient shards (e.g. object-store memory) into tensors.
 
 Shard s is `byte_sizes[s]` bytes at address `addresses[s]` and must hold exactly
-`shard_elements[s]` elements of type T. `pieces` lists 5 integers per piece:
+`shard_elements[s]` elements of type `wire`: T itself, or half/bfloat16 for a
+float T (compressed gradients), widened to float exactly while they are copied. `pieces` lists 5 integers per piece:
 (output, output_offset, length, shard, shard_offset), in elements; the pieces of
 each output must cover it exactly once, in order of output_offset.
 
-An output held by one piece whose address is 64-byte aligned ALIASES the buffer:
+When wire == T, an output held by one piece whose address is 64-byte aligned ALIASES the buffer:
 no copy. Such a tensor never owns or frees the memory, and TensorFlow never
 writes into it (it is never forwarded to another op's output). Every other output
 is a new tensor the pieces are copied into. The caller must keep every buffer

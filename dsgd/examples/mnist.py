@@ -91,6 +91,8 @@ def parse_args(argv=None):
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--devices-per-worker", type=int, default=1)
     p.add_argument("--strategy", choices=["simple", "ps"], default="ps")
+    p.add_argument("--compression", choices=["fp16", "bf16"], default=None,
+                   help="gradients travel as 16-bit values (strategy ps, 2+ workers)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=50, help="per replica")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -165,7 +167,7 @@ def main(argv=None) -> dict:
                           own_data=own_data)
 
     with dsgd.DistributedSGD(creator, args.num_workers, args.devices_per_worker, gpu=args.gpu,
-                             strategy=args.strategy) as sgd:
+                             strategy=args.strategy, compression=args.compression) as sgd:
         train_s, loss, first_loss, step = 0.0, float("nan"), None, 0
         evaluations = [s for s in range(args.eval_every, args.steps, args.eval_every)] \
             if args.eval_every else []

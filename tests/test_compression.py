@@ -1,0 +1,209 @@
+"""Gradient compression (compression="fp16" | "bf16"): the PS kernel and the
+read op against a numpy/ml_dtypes reference of the same rounding, bit for bit;
+a real 2-worker exchange whose mean gradient is exactly that reference; an fp16
+overflow reported as a non-finite gradient; and training that still converges."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dsgd
+import tiny
+from dsgd import _core, ops
+from dsgd.sharding import plan_shards
+
+WIRE = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}
+FORMAT = {"fp16": "f16", "bf16": "bf16"}
+
+
+def reference_mean(per_worker: list[np.ndarray], compression: str) -> np.ndarray:
+    """What the exchange computes: each worker's float32 gradient rounded to 16 bits,
+    widened and summed left to right in float32, scaled once, rounded to 16 bits,
+    widened again by the reader."""
+    wire = WIRE[compression]
+    total = per_worker[0].astype(wire).astype(np.float32)
+    for g in per_worker[1:]:
+        total = total + g.astype(wire).astype(np.float32)
+    return (total * np.float32(1 / len(per_worker))).astype(wire).astype(np.float32)
+
+
+def wide_range(n: int, seed: int) -> np.ndarray:
+    """Magnitudes from 1e-9 (fp16 subnormals, flushes) to 1e4, both signs."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(n) * 10.0 ** rng.uniform(-9, 4, n)).astype(np.float32)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+@pytest.mark.parametrize("num_inputs", [1, 2, 3])
+@pytest.mark.parametrize("n", [7, 4099, 2_000_003])  # inline, blocked, several threads
+def test_ps_kernel_matches_numpy_bit_for_bit(compression, num_inputs, n):
+    wire = WIRE[compression]
+    inputs = [wide_range(n, seed).astype(wire).view(np.uint16) for seed in range(num_inputs)]
+    if n > 3:
+        inputs[0][:3] = np.array([np.inf, -np.inf, np.nan], np.float32).astype(wire).view(np.uint16)
+    out = np.empty(n, np.uint16)
+    _core.sum_scaled_16(inputs, out, 1 / num_inputs, FORMAT[compression])
+    total = inputs[0].view(wire).astype(np.float32)
+    for a in inputs[1:]:
+        total = total + a.view(wire).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = (total * np.float32(1 / num_inputs)).astype(wire)
+    got = out.view(wire).astype(np.float32)
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(out[~nan], want.view(np.uint16)[~nan])
+
+
+def test_bf16_casts_round_to_nearest_even_like_ml_dtypes():
+    x = wide_range(100_000, 1)
+    x[:4] = [np.inf, -np.inf, 3.3961776e38, 1.0 + 2.0 ** -8]  # overflow to inf; a tie to even
+    bits = np.empty(x.size, np.uint16)
+    _core.cast_f32_to_bf16(x, bits)
+    np.testing.assert_array_equal(bits, x.astype(ml_dtypes.bfloat16).view(np.uint16))
+    back = np.empty(x.size, np.float32)
+    _core.cast_bf16_to_f32(bits, back)
+    np.testing.assert_array_equal(back, bits.view(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_kernel_errors_name_the_argument():
+    a = np.zeros(4, np.uint16)
+    with pytest.raises(ValueError, match="format must be f16 or bf16; got f8"):
+        _core.sum_scaled_16([a], np.zeros(4, np.uint16), 1.0, "f8")
+    with pytest.raises(TypeError, match=r"inputs\[0\] has 4-byte elements"):
+        _core.sum_scaled_16([np.zeros(4, np.float32)], np.zeros(4, np.uint16), 1.0, "f16")
+    with pytest.raises(ValueError, match="`out` is read-only"):
+        out = np.zeros(4, np.uint16)
+        out.flags.writeable = False
+        _core.sum_scaled_16([a], out, 1.0, "bf16")
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_plan_halves_float32_shards_only(compression):
+    shapes, dtypes = [(300,), (5,), (40, 3)], ["float32", "float64", "float32"]
+    plain = plan_shards(shapes, dtypes, 256)
+    packed = plan_shards(shapes, dtypes, 256, compression=compression)
+    assert packed.dtypes == plain.dtypes  # the variables' own
+    assert {s.dtype for s in packed.shards} == {"float64", dsgd.constants.COMPRESSIONS[compression]}
+    assert sum(s.nbytes for s in packed.shards if s.dtype != "float64") == \
+        pytest.approx(sum(s.nbytes for s in plain.shards if s.dtype != "float64") / 2, rel=0.1)
+    with pytest.raises(ValueError, match=r"compression must be None or one of \['fp16', 'bf16'\]"):
+        plan_shards(shapes, dtypes, 256, compression="int8")
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_read_op_widens_16_bit_shards_to_float32(compression):
+    shapes, dtypes = [(300,), (5,), (7, 3)], ["float32", "float64", "float32"]
+    plan = plan_shards(shapes, dtypes, 256, compression=compression)
+    flat = [wide_range(math.prod(s), k).astype(d) for k, (s, d) in enumerate(zip(shapes, dtypes))]
+    shards = []
+    for shard in plan.shards:
+        out = np.zeros(shard.num_elements, shard.wire_numpy_dtype)
+        for p in shard.pieces:
+            piece = flat[p.var_index][p.var_offset:p.var_offset + p.length]
+            if shard.dtype != dtypes[p.var_index]:
+                piece = piece.astype(WIRE[compression]).view(np.uint16).view(out.dtype)
+            out[p.shard_offset:p.shard_offset + p.length] = piece
+        shards.append(out)
+    addresses = tf.constant([ops.buffer_address(a) for a in shards], tf.int64)
+    sizes = tf.constant([a.nbytes for a in shards], tf.int64)
+    for out, want, shape, dtype in zip(ops.read_shards(addresses, sizes, plan), flat, shapes, dtypes):
+        assert tuple(out.shape) == shape and out.dtype == tf.as_dtype(dtype)
+        if dtype == "float32":
+            want = want.astype(WIRE[compression]).astype(np.float32)
+        np.testing.assert_array_equal(out.numpy().reshape(-1), want)
+
+
+# -- on a real cluster --------------------------------------------------------------------------
+
+N = 300  # elements of the probe's first variable; split over several shards and PS
+
+
+class Probe(dsgd.Model):
+    """loss = sum(w * c): the gradient is exactly c, a wide-range vector that is a
+    pure function of (worker, step); SGD with learning rate 1 subtracts it exactly."""
+
+    def __init__(self, worker_index, scale=1.0):
+        import keras
+
+        self.worker, self.step, self.scale = worker_index, 0, scale
+        self.w = keras.Variable(np.zeros(N, np.float32), name="w")
+        self.b = keras.Variable(np.zeros((4, 3), np.float32), name="b")
+        self.optimizer = keras.optimizers.SGD(learning_rate=1.0)
+
+    def get_variables(self):
+        return [self.w, self.b]
+
+    def get_loss(self, batch):
+        return tf.reduce_sum(self.w * batch[0]) + tf.reduce_sum(self.b * batch[1])
+
+    def get_optimizer(self):
+        return self.optimizer
+
+    def get_batch(self):
+        batch = probe_gradients(self.worker, self.step, self.scale)
+        self.step += 1
+        return batch
+
+
+def probe_gradients(worker: int, step: int, scale: float = 1.0):
+    return (wide_range(N, 100 * step + worker) * np.float32(scale),
+            wide_range(12, 100 * step + worker + 50).reshape(4, 3) * np.float32(scale))
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_the_exchange_applies_exactly_the_rounded_mean(compression):
+    with dsgd.DistributedSGD(lambda w, d: Probe(w), num_workers=2, devices_per_worker=1,
+                             gpu=False, grad_shard_bytes=256, num_ps=2,
+                             compression=compression) as sgd:
+        assert len(sgd.plan.shards) > 2 and len(sgd.ps_actors) == 2
+        expected = [np.zeros(N, np.float32), np.zeros((4, 3), np.float32)]
+        for step in range(2):
+            sgd.step()
+            grads = [probe_gradients(w, step) for w in range(2)]
+            for k in range(2):
+                mean = reference_mean([g[k].reshape(-1) for g in grads], compression)
+                plain = (grads[0][k].reshape(-1) + grads[1][k].reshape(-1)) * np.float32(0.5)
+                assert not np.array_equal(mean, plain)  # the rounding shows: the test can tell
+                expected[k] = expected[k] - mean.reshape(expected[k].shape)
+        for weights in sgd.foreach_model(lambda m: [m.w.numpy(), m.b.numpy()]):
+            for got, want in zip(weights, expected):
+                np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_an_fp16_overflow_is_a_nonfinite_gradient():
+    # 1e6 overflows float16 (max 65504) but is finite in float32 and bfloat16.
+    with dsgd.DistributedSGD(lambda w, d: Probe(w, scale=1e6), num_workers=2,
+                             devices_per_worker=1, gpu=False, compression="fp16",
+                             on_nonfinite="skip") as sgd:
+        stats = sgd.step(fetch_stats=True)
+        assert stats["skipped"] and sgd.skipped_steps == 1
+        assert all(np.all(m == 0) for m in sgd.foreach_model(lambda m: m.w.numpy()))
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_training_converges_with_compression(compression):
+    with dsgd.DistributedSGD(tiny.creator(1, 16), num_workers=2, devices_per_worker=1, gpu=False,
+                             compression=compression) as sgd:
+        initial = sgd.get_weights()
+        losses = [sgd.step(fetch_stats=True)["loss"] for _ in range(30)]
+        # The same 30 steps uncompressed, in-process: compression stays close to it.
+        expected, expected_losses = tiny.reference_run(initial, 2, 16, 30, "sgdm")
+        assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])
+        np.testing.assert_allclose(np.mean(losses[-5:]), np.mean(expected_losses[-5:]), rtol=0.05)
+
+
+def test_compression_arguments_are_checked_before_any_actor():
+    with pytest.raises(ValueError, match=r"compression must be None or one of \['fp16', 'bf16'\], got 'fp8'"):
+        dsgd.DistributedSGD(tiny.creator(1, 4), 2, 1, gpu=False, compression="fp8")
+    with pytest.raises(ValueError, match="compression='fp16' needs strategy='ps'"):
+        dsgd.DistributedSGD(tiny.creator(1, 4), 2, 1, gpu=False, strategy="simple",
+                            compression="fp16")
