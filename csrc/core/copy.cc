@@ -1,5 +1,10 @@
 #include "core/copy.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define DSGD_X86 1
+#endif
+
 #include <algorithm>
 #include <cstring>
 #include <thread>
@@ -115,6 +120,34 @@ std::uint16_t ToBFloat16(float value) {
 
 float FromBFloat16(std::uint16_t b) { return FromBits(static_cast<std::uint32_t>(b) << 16); }
 
+#ifdef DSGD_X86
+// F16C (with AVX: Ivy Bridge and later, every x86-64 CPU TensorFlow's wheels run on):
+// 8 conversions per instruction, IEEE round-to-nearest-even with subnormals, as the
+// scalar code above. Chosen at run time, so the library still runs without it.
+__attribute__((target("avx,f16c"))) void CastF32ToF16Vector(const float* src, std::uint16_t* dst,
+                                                          std::size_t n) {
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) dst[i] = ToHalf(src[i]);
+}
+
+__attribute__((target("avx,f16c"))) void CastF16ToF32Vector(const std::uint16_t* src, float* dst,
+                                                          std::size_t n) {
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(
+                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = FromHalf(src[i]);
+}
+
+bool HasF16C() {
+  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return has;
+}
+#endif
+
 }  // namespace
 
 void CastF32ToBF16(const float* src, std::uint16_t* dst, std::size_t n) {
@@ -149,10 +182,16 @@ void WidenToF32(const std::uint16_t* src, float* dst, std::size_t n, bool bfloat
 }
 
 void CastF32ToF16(const float* src, std::uint16_t* dst, std::size_t n) {
+#ifdef DSGD_X86
+  if (HasF16C()) return CastF32ToF16Vector(src, dst, n);
+#endif
   for (std::size_t i = 0; i < n; ++i) dst[i] = ToHalf(src[i]);
 }
 
 void CastF16ToF32(const std::uint16_t* src, float* dst, std::size_t n) {
+#ifdef DSGD_X86
+  if (HasF16C()) return CastF16ToF32Vector(src, dst, n);
+#endif
   for (std::size_t i = 0; i < n; ++i) dst[i] = FromHalf(src[i]);
 }
 
