@@ -81,7 +81,7 @@ def read_shards(addresses, byte_sizes, plan) -> list:
 
     lib = library()
     outputs: list = [None] * len(plan.shapes)
-    wire = [plan.shards[plan.pieces_of(v)[0][0]].dtype for v in range(len(plan.shapes))]
+    wire = plan.wire_dtypes
     for wire_dtype, dtype in sorted(set(zip(wire, plan.dtypes))):
         shard_ids = [j for j, s in enumerate(plan.shards) if s.dtype == wire_dtype]
         var_ids = [v for v, d in enumerate(plan.dtypes) if d == dtype and wire[v] == wire_dtype]

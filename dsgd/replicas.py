@@ -102,8 +102,7 @@ class Replicas:
         self.plan = plan
         # The dtype each variable's gradient travels as (its shards'): its own, or
         # float16/bfloat16 for a float32 gradient under compression.
-        self.wire_dtypes = [plan.shards[plan.pieces_of(v)[0][0]].dtype
-                            for v in range(len(plan.shapes))]
+        self.wire_dtypes = plan.wire_dtypes
         self.check_finite = on_nonfinite != "ignore"
         self.gate_apply = on_nonfinite == "skip"
         self.retrace()

@@ -73,6 +73,17 @@ class ShardPlan:
     def num_shards(self) -> int:
         return len(self.shards)
 
+    @property
+    def wire_dtypes(self) -> tuple[str, ...]:
+        """The dtype each variable's gradient travels as: its shards' (float16 or
+        bfloat16 for a compressed float32 gradient), or its own if it has no
+        elements (and so no shard)."""
+        wire = list(self.dtypes)
+        for shard in self.shards:
+            for piece in shard.pieces:
+                wire[piece.var_index] = shard.dtype
+        return tuple(wire)
+
     def pieces_of(self, var_index: int) -> list[tuple[int, Piece]]:
         """(shard index, piece) of one variable, in variable-offset order."""
         found = [(j, p) for j, s in enumerate(self.shards) for p in s.pieces

@@ -240,6 +240,10 @@ def check_finite(sgd, infos: list[dict]) -> bool:
     else:
         outcome = "no weights were changed. Pass on_nonfinite='skip' to skip such steps."
     slot, r = bad[0]
+    if getattr(sgd, "compression", None) == "fp16" and sgd.num_workers > 1:
+        outcome += (" With compression='fp16' this includes a mean gradient beyond "
+                    "float16's range (|g| > 65504): use compression='bf16' (float32's range), "
+                    "or none.")
     raise NonFiniteError(
         f"step {step}: non-finite gradient (NaN or Inf) on worker {slot}, replica {r} "
         f"(global replica {slot * sgd.devices_per_worker + r})"

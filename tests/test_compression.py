@@ -13,6 +13,7 @@ import tensorflow as tf
 import dsgd
 import tiny
 from dsgd import _core, ops
+from dsgd.errors import NonFiniteError
 from dsgd.sharding import plan_shards
 
 WIRE = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}
@@ -93,9 +94,16 @@ def test_plan_halves_float32_shards_only(compression):
         plan_shards(shapes, dtypes, 256, compression="int8")
 
 
+def test_wire_dtypes_per_variable():
+    plan = plan_shards([(3,), (0,), (2,), (4,)], ["float32", "float32", "float64", "float16"], 64,
+                       compression="bf16")
+    # A variable without elements has no shard: it keeps its own dtype.
+    assert plan.wire_dtypes == ("bfloat16", "float32", "float64", "float16")
+
+
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])
 def test_read_op_widens_16_bit_shards_to_float32(compression):
-    shapes, dtypes = [(300,), (5,), (7, 3)], ["float32", "float64", "float32"]
+    shapes, dtypes = [(300,), (5,), (0,), (7, 3)], ["float32", "float64", "float32", "float32"]
     plan = plan_shards(shapes, dtypes, 256, compression=compression)
     flat = [wide_range(math.prod(s), k).astype(d) for k, (s, d) in enumerate(zip(shapes, dtypes))]
     shards = []
@@ -185,6 +193,10 @@ def test_an_fp16_overflow_is_a_nonfinite_gradient():
         stats = sgd.step(fetch_stats=True)
         assert stats["skipped"] and sgd.skipped_steps == 1
         assert all(np.all(m == 0) for m in sgd.foreach_model(lambda m: m.w.numpy()))
+        sgd.on_nonfinite = "raise"
+        with pytest.raises(NonFiniteError, match=r"step 1: non-finite gradient .* no weights were "
+                                                 r"changed.* beyond float16's range .*'bf16'"):
+            sgd.step()
 
 
 @pytest.mark.cluster
