@@ -32,7 +32,8 @@ def check_args(model_creator, num_workers, devices_per_worker, gpu, strategy, gr
     if strategy not in constants.STRATEGIES:
         raise ValueError(f"strategy must be one of {list(constants.STRATEGIES)}, got {strategy!r}")
     check_algorithm(all_reduce_alg, gpu)
-    if compression is not None and compression not in constants.COMPRESSIONS:
+    if compression is not None and (not isinstance(compression, str)
+                                    or compression not in constants.COMPRESSIONS):
         raise ValueError(f"compression must be None or one of {list(constants.COMPRESSIONS)}, "
                          f"got {compression!r}")
     if compression is not None and strategy != "ps":

@@ -211,6 +211,7 @@ def save(sgd, path: str, extra: dict | None = None) -> str:
                       sgd.workers[:1], "save_checkpoint", sgd.step_timeout_s)[0]
     meta = {"step": sgd.steps_done, "num_workers": sgd.num_workers,
             "devices_per_worker": sgd.devices_per_worker, "strategy": sgd.strategy,
+            "compression": getattr(sgd, "compression", None),
             "grad_shard_bytes": sgd.grad_shard_bytes, "all_reduce_alg": sgd.all_reduce_alg,
             "on_nonfinite": sgd.on_nonfinite, "skipped_steps": sgd.skipped_steps,
             "variables": {"shapes": [list(s) for s in sgd.plan.shapes],

@@ -227,11 +227,16 @@ class Replicas:
         import tensorflow as tf
 
         losses, finite, means, _, metrics = self._replica_means(batches)
-        wire = [_to_wire(tf.reshape(g, [-1]), d) for g, d in zip(means[0], self.wire_dtypes)]
-        narrowed = [w for w, g in zip(wire, means[0])
-                     if w.dtype == tf.float16 and g.dtype != tf.float16]
+        cast = [tf.cast(tf.reshape(g, [-1]), tf.as_dtype(d)) for g, d in zip(means[0], self.wire_dtypes)]
+        narrowed = [c for c, g in zip(cast, means[0]) if c.dtype != g.dtype]
         if self.check_finite and narrowed:
-            finite = tf.logical_and(finite, ops.all_finite(narrowed))
+            # Rounding can overflow (fp16 past 65504, bf16 within 2^-8 of float32's
+            # max): such a mean is not finite on any replica. One check per tensor.
+            flags = _finite_flags(narrowed, self.gpu)
+            finite = tf.logical_and(finite, tf.reduce_all(tf.stack(flags)))
+        # bfloat16 travels as its uint16 bits: numpy views them without a copy and
+        # the PS needs no bfloat16 type.
+        wire = [tf.bitcast(c, tf.uint16) if c.dtype == tf.bfloat16 else c for c in cast]
         return losses, finite, wire, metrics
 
     def _apply_graph(self, addresses, byte_sizes):
@@ -266,16 +271,6 @@ def _finite_flags(grads, gpu: bool) -> list:
     return [None if not g.dtype.is_floating
             else ops.all_finite([g]) if not gpu and g.dtype in native
             else tf.reduce_all(tf.math.is_finite(g)) for g in grads]
-
-
-def _to_wire(gradient, wire_dtype: str):
-    """A flat gradient as its shards hold it: float16 as is, bfloat16 as its uint16
-    bits (numpy views it without a copy, and Ray pickles it without ml_dtypes)."""
-    import tensorflow as tf
-
-    if wire_dtype == "bfloat16":
-        return tf.bitcast(tf.cast(gradient, tf.bfloat16), tf.uint16)
-    return tf.cast(gradient, tf.as_dtype(wire_dtype))
 
 
 def _after(tensor, flags: list):

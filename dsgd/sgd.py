@@ -74,10 +74,11 @@ class DistributedSGD:
             and the network). Each worker rounds its local mean gradient to
             nearest even; the PS sums in float32, scales once and rounds the mean
             to 16 bits; workers widen it exactly while reading it. fp16 keeps 11
-            bits of mantissa but overflows past 65504 (a non-finite gradient,
-            handled by `on_nonfinite`) and flushes below 6e-8 to zero; bf16 keeps
-            float32's range with 8 bits of mantissa. One worker exchanges nothing
-            and is not affected.
+            significant bits for |g| >= 6.1e-5 (fewer below: subnormal; under
+            3e-8 it rounds to 0) and overflows from 65520 on (a non-finite
+            gradient, handled by `on_nonfinite`); bf16 keeps float32's range
+            with 8 significant bits. One worker exchanges nothing and is not
+            affected.
 
     Inside a placement group (e.g. a Ray Tune trial) the workers are placed in
     its bundles; otherwise they are spread over the cluster.

@@ -31,6 +31,27 @@ def wire_numpy_dtype(dtype: str) -> np.dtype:
     return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
 
 
+def to_wire(values: np.ndarray, wire_dtype: str) -> np.ndarray:
+    """numpy values as a shard of `wire_dtype` holds them (bfloat16: uint16 bits),
+    rounded to nearest even."""
+    if wire_dtype == "bfloat16":
+        import ml_dtypes  # TensorFlow's dependency; only needed for bfloat16
+
+        return np.asarray(values).astype(ml_dtypes.bfloat16).view(np.uint16)
+    return np.asarray(values).astype(wire_dtype, copy=False)
+
+
+def from_wire(values: np.ndarray, wire_dtype: str, dtype: str) -> np.ndarray:
+    """Shard values (bfloat16 as uint16 bits, or already bfloat16) as `dtype`."""
+    if wire_dtype == "bfloat16":
+        import ml_dtypes
+
+        if values.dtype == np.uint16:
+            values = values.view(ml_dtypes.bfloat16)
+        return values if dtype == "bfloat16" else values.astype(dtype)
+    return values.astype(dtype, copy=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """Elements [var_offset, var_offset + length) of the flattened variable
@@ -94,17 +115,20 @@ class ShardPlan:
         """numpy reference of a shard buffer's layout (padding zeroed)."""
         shards = []
         for s in self.shards:
-            out = np.zeros(s.num_elements, s.dtype)
+            out = np.zeros(s.num_elements, s.wire_numpy_dtype)
             for p in s.pieces:
-                out[p.shard_offset:p.shard_offset + p.length] = \
-                    flat_arrays[p.var_index][p.var_offset:p.var_offset + p.length]
+                out[p.shard_offset:p.shard_offset + p.length] = to_wire(
+                    flat_arrays[p.var_index][p.var_offset:p.var_offset + p.length], s.dtype)
             shards.append(out)
         return shards
 
     def unpack(self, shards: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Each variable's values from shard buffers (as `pack` or a PS writes them),
+        in the variable's own dtype (16-bit wire values widened)."""
         out = []
         for v, shape in enumerate(self.shapes):
-            parts = [shards[j][p.shard_offset:p.shard_offset + p.length]
+            parts = [from_wire(shards[j][p.shard_offset:p.shard_offset + p.length],
+                               self.shards[j].dtype, self.dtypes[v])
                      for j, p in self.pieces_of(v)]
             flat = np.concatenate(parts) if parts else np.zeros(0, self.dtypes[v])
             out.append(flat.reshape(shape))

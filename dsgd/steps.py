@@ -226,9 +226,14 @@ def check_finite(sgd, infos: list[dict]) -> bool:
            for r, ok in enumerate(info["finite"]) if not ok]
     if not bad:
         return True
+    fp16_hint = ""
+    if getattr(sgd, "compression", None) == "fp16" and sgd.num_workers > 1:
+        fp16_hint = (" With compression='fp16' this includes a mean gradient beyond "
+                     "float16's range (|g| >= 65520 rounds to Inf): use compression='bf16' "
+                     "(float32's range), or none.")
     if sgd.on_nonfinite == "skip":
-        logger.warning("step %d skipped: non-finite gradient on %s", sgd.steps_done + 1,
-                       ", ".join(f"worker {w} replica {r}" for w, r in bad))
+        logger.warning("step %d skipped: non-finite gradient on %s.%s", sgd.steps_done + 1,
+                       ", ".join(f"worker {w} replica {r}" for w, r in bad), fp16_hint)
         return False
     step = sgd.steps_done + 1
     applied = any(info.get("applied") for info in infos)
@@ -240,10 +245,7 @@ def check_finite(sgd, infos: list[dict]) -> bool:
     else:
         outcome = "no weights were changed. Pass on_nonfinite='skip' to skip such steps."
     slot, r = bad[0]
-    if getattr(sgd, "compression", None) == "fp16" and sgd.num_workers > 1:
-        outcome += (" With compression='fp16' this includes a mean gradient beyond "
-                    "float16's range (|g| > 65504): use compression='bf16' (float32's range), "
-                    "or none.")
+    outcome += fp16_hint
     raise NonFiniteError(
         f"step {step}: non-finite gradient (NaN or Inf) on worker {slot}, replica {r} "
         f"(global replica {slot * sgd.devices_per_worker + r})"

@@ -102,6 +102,52 @@ def test_wire_dtypes_per_variable():
 
 
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_pack_and_unpack_are_the_wire_format(compression):
+    shapes, dtypes = [(300,), (5,), (7, 3)], ["float32", "float64", "float32"]
+    plan = plan_shards(shapes, dtypes, 256, compression=compression)
+    flat = [wide_range(math.prod(s), k).astype(d) for k, (s, d) in enumerate(zip(shapes, dtypes))]
+    packed = plan.pack(flat)
+    assert [a.dtype for a in packed] == [s.wire_numpy_dtype for s in plan.shards]
+    for got, want, shape, dtype in zip(plan.unpack(packed), flat, shapes, dtypes):
+        assert got.shape == shape and got.dtype == np.dtype(dtype)
+        if dtype == "float32":
+            want = want.astype(WIRE[compression]).astype(np.float32)
+        np.testing.assert_array_equal(got.reshape(-1), want)
+
+
+def test_bfloat16_variables_through_the_ps_come_back_as_bfloat16():
+    # The Ray Train exchange's path (dsgd/train): ml_dtypes arrays in, mean_shard, unpack.
+    from dsgd.param_server import mean_shard, split_group
+
+    bf = ml_dtypes.bfloat16
+    shapes = [(70,), (3, 2)]
+    plan = plan_shards(shapes, ["bfloat16"] * 2, 64)
+    workers = [[wide_range(math.prod(s), 10 * w + k).astype(bf) for k, s in enumerate(shapes)]
+               for w in range(2)]
+    means = []
+    for shard in plan.shards:
+        per_worker = [tuple(flat[p.var_index][p.var_offset:p.var_offset + p.length]
+                            for p in shard.pieces) for flat in workers]
+        means.append(mean_shard(shard, split_group((shard,), per_worker)[0]))
+    for k, got in enumerate(plan.unpack(means)):
+        want = ((workers[0][k].astype(np.float32) + workers[1][k].astype(np.float32))
+                * np.float32(0.5)).astype(bf)
+        assert got.dtype == bf and got.shape == shapes[k]
+        np.testing.assert_array_equal(got.reshape(-1).view(np.uint16), want.reshape(-1).view(np.uint16))
+
+
+def test_read_op_widens_large_shards_on_several_threads():
+    n = 600_000  # 2.4 MB of float32 output: WidenToF32 splits it over threads
+    plan = plan_shards([(n,)], ["float32"], 10_000_000, compression="fp16")
+    values = wide_range(n, 3)
+    shards = plan.pack([values])
+    addresses = tf.constant([ops.buffer_address(a) for a in shards], tf.int64)
+    sizes = tf.constant([a.nbytes for a in shards], tf.int64)
+    out = ops.read_shards(addresses, sizes, plan)[0]
+    np.testing.assert_array_equal(out.numpy(), values.astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
 def test_read_op_widens_16_bit_shards_to_float32(compression):
     shapes, dtypes = [(300,), (5,), (0,), (7, 3)], ["float32", "float64", "float32", "float32"]
     plan = plan_shards(shapes, dtypes, 256, compression=compression)
@@ -133,10 +179,10 @@ class Probe(dsgd.Model):
     """loss = sum(w * c): the gradient is exactly c, a wide-range vector that is a
     pure function of (worker, step); SGD with learning rate 1 subtracts it exactly."""
 
-    def __init__(self, worker_index, scale=1.0):
+    def __init__(self, worker_index, scale=1.0, fill=None):
         import keras
 
-        self.worker, self.step, self.scale = worker_index, 0, scale
+        self.worker, self.step, self.scale, self.fill = worker_index, 0, scale, fill
         self.w = keras.Variable(np.zeros(N, np.float32), name="w")
         self.b = keras.Variable(np.zeros((4, 3), np.float32), name="b")
         self.optimizer = keras.optimizers.SGD(learning_rate=1.0)
@@ -151,6 +197,8 @@ class Probe(dsgd.Model):
         return self.optimizer
 
     def get_batch(self):
+        if self.fill is not None:
+            return np.full(N, self.fill, np.float32), np.full((4, 3), self.fill, np.float32)
         batch = probe_gradients(self.worker, self.step, self.scale)
         self.step += 1
         return batch
@@ -201,10 +249,24 @@ def test_an_fp16_overflow_is_a_nonfinite_gradient():
 
 @pytest.mark.cluster
 @pytest.mark.usefixtures("ray_local")
+def test_a_bf16_overflow_is_a_nonfinite_gradient():
+    # 3.4e38 is a finite float32 that rounds up to bfloat16's Inf.
+    assert np.isfinite(np.float32(3.4e38))
+    assert np.isinf(np.float32(3.4e38).astype(ml_dtypes.bfloat16).astype(np.float32))
+    with dsgd.DistributedSGD(lambda w, d: Probe(w, fill=3.4e38), num_workers=2,
+                             devices_per_worker=1, gpu=False, compression="bf16",
+                             on_nonfinite="skip") as sgd:
+        assert sgd.step(fetch_stats=True)["skipped"]
+        assert all(np.all(m == 0) for m in sgd.foreach_model(lambda m: m.w.numpy()))
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])
 def test_training_converges_with_compression(compression):
     with dsgd.DistributedSGD(tiny.creator(1, 16), num_workers=2, devices_per_worker=1, gpu=False,
                              compression=compression) as sgd:
+        assert {s.dtype for s in sgd.plan.shards} == {dsgd.constants.COMPRESSIONS[compression]}
         initial = sgd.get_weights()
         losses = [sgd.step(fetch_stats=True)["loss"] for _ in range(30)]
         # The same 30 steps uncompressed, in-process: compression stays close to it.
@@ -216,6 +278,8 @@ def test_training_converges_with_compression(compression):
 def test_compression_arguments_are_checked_before_any_actor():
     with pytest.raises(ValueError, match=r"compression must be None or one of \['fp16', 'bf16'\], got 'fp8'"):
         dsgd.DistributedSGD(tiny.creator(1, 4), 2, 1, gpu=False, compression="fp8")
+    with pytest.raises(ValueError, match=r"compression must be None or one of .* got \['fp16'\]"):
+        dsgd.DistributedSGD(tiny.creator(1, 4), 2, 1, gpu=False, compression=["fp16"])
     with pytest.raises(ValueError, match="compression='fp16' needs strategy='ps'"):
         dsgd.DistributedSGD(tiny.creator(1, 4), 2, 1, gpu=False, strategy="simple",
                             compression="fp16")

@@ -193,7 +193,7 @@ it may be inputs[0] only if that is writable. max_threads <= 0 uses every core.)
         "float32 -> float16 (out: float16 or uint16), round-to-nearest-even like numpy.");
   m.def("cast_f16_to_f32", [](const py::array& input, py::array out) {
           Cast<std::uint16_t, float>(input, out, "cast_f16_to_f32", dsgd::CastF16ToF32);
-        }, py::arg("input"), py::arg("out"), "float16 (or uint16 bits) -> float32, exact.");
+        }, py::arg("input"), py::arg("out"), "float16 (or uint16 bits) -> float32, exact (signalling NaNs may come back quiet).");
   m.def("cast_f32_to_bf16", [](const py::array& input, py::array out) {
           Cast<float, std::uint16_t>(input, out, "cast_f32_to_bf16", dsgd::CastF32ToBF16);
         }, py::arg("input"), py::arg("out"),

@@ -28,7 +28,8 @@ void Split(const void* src, void* const* dsts, const std::size_t* bytes, std::si
            int max_threads);
 
 // IEEE 754 binary16 <-> binary32, round-to-nearest-even, with subnormals,
-// infinities and NaN (as numpy's astype does).
+// infinities and NaN (as numpy's astype does, except that where the CPU has F16C
+// signalling NaNs come out quiet).
 void CastF32ToF16(const float* src, std::uint16_t* dst, std::size_t n);
 void CastF16ToF32(const std::uint16_t* src, float* dst, std::size_t n);
 
@@ -38,7 +39,7 @@ void CastF32ToBF16(const float* src, std::uint16_t* dst, std::size_t n);
 void CastBF16ToF32(const std::uint16_t* src, float* dst, std::size_t n);
 
 // Widens `n` 16-bit values (binary16 if `bfloat16` is false, else bfloat16) to
-// float32, exactly. Large buffers are split over up to `max_threads` threads
+// float32, exactly (NaN stays NaN; the F16C path returns signalling NaNs quieted). Large buffers are split over up to `max_threads` threads
 // (<= 0: hardware_concurrency()). Blocks until done.
 void WidenToF32(const std::uint16_t* src, float* dst, std::size_t n, bool bfloat16,
                 int max_threads);
