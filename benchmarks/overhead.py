@@ -34,6 +34,7 @@ import common  # noqa: E402
 
 import dsgd  # noqa: E402
 from dsgd.examples import mnist  # noqa: E402
+from comm import proc_stat, raylet_pid  # noqa: E402
 from step_time import plain_step  # noqa: E402
 
 
@@ -74,6 +75,8 @@ def main(argv=None):
     p.add_argument("--per-round", type=int, default=4)
     p.add_argument("--train-steps", type=int, default=16,
                    help="steps of one sgd.train() call per round (and as many plain steps)")
+    p.add_argument("--on-nonfinite", choices=["raise", "skip", "ignore"], default="raise",
+                   help="dsgd's non-finite check (ignore: none, to see what the check costs)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "overhead.json"))
     args = p.parse_args(argv)
     import ray
@@ -85,30 +88,40 @@ def main(argv=None):
     for name in args.models:
         creator = CREATORS[name]
         plain = plain_step(creator(0, 0))
-        with dsgd.DistributedSGD(creator, 1, 1, gpu=False, num_cpus_per_worker=cpus) as sgd:
+        with dsgd.DistributedSGD(creator, 1, 1, gpu=False, num_cpus_per_worker=cpus,
+                                 on_nonfinite=args.on_nonfinite) as sgd:
             timed(plain, 3)
             timed(sgd.step, 3)
             sgd.train(num_steps=3)
             t_plain, t_dsgd, round_plain, round_train = [], [], [], []
+            pids = {"worker": ray.get(sgd.workers[0].ping.remote(), timeout=60)["pid"],
+                    "raylet": raylet_pid(), "driver": os.getpid()}
+            pids = {k: v for k, v in pids.items() if v is not None}
+            cpu_ms = {k: [] for k in pids}  # CPU ms per step of each process, in train()
             for r in range(args.rounds):
                 t_plain += timed(plain, args.per_round)
                 t_dsgd += timed(sgd.step, args.per_round)
                 # train(): the next step is submitted before this one's result is back.
+                before = {k: proc_stat(pid)[0] for k, pid in pids.items()}
                 round_train.append(timed(lambda: sgd.train(num_steps=args.train_steps), 1)[0]
                                    / args.train_steps)
+                for k, pid in pids.items():
+                    cpu_ms[k].append(1e3 * (proc_stat(pid)[0] - before[k]) / args.train_steps)
                 round_plain.append(sum(timed(plain, args.train_steps)) / args.train_steps)
                 print(f"{name} round {r + 1}/{args.rounds}", flush=True)
         row = {"model": name, "median_plain_s": statistics.median(t_plain),
                "median_dsgd_1_worker_s": statistics.median(t_dsgd), "samples": len(t_plain),
                "train_steps_per_call": args.train_steps,
                "median_plain_round_mean_s": statistics.median(round_plain),
-               "median_dsgd_train_round_mean_s": statistics.median(round_train)}
+               "median_dsgd_train_round_mean_s": statistics.median(round_train),
+               "train_cpu_ms_per_step": {k: statistics.median(v) for k, v in cpu_ms.items()}}
         row["ratio"] = row["median_dsgd_1_worker_s"] / row["median_plain_s"]
         row["ratio_train"] = row["median_dsgd_train_round_mean_s"] / row["median_plain_round_mean_s"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"benchmark": "overhead", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "rounds": args.rounds, "per_round": args.per_round, "rows": rows}
+              "rounds": args.rounds, "per_round": args.per_round,
+              "on_nonfinite": args.on_nonfinite, "rows": rows}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
