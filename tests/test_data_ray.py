@@ -8,6 +8,7 @@ import ray
 
 import dsgd
 from counting import N, Counter, counts, reset
+from trainer_ops import Misbehave
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 
@@ -50,33 +51,12 @@ def test_ray_data_trains_a_model_to_the_expected_result():
         assert last < 0.01 * first
 
 
-class KillOnce:
-    """A transform whose worker SIGKILLs itself at its `at`-th batch, in the first
-    worker to get there (`marker` is created exclusively)."""
-
-    def __init__(self, marker, at):
-        self.marker, self.at, self.calls = marker, at, 0
-
-    def __call__(self, batch):
-        import os
-        import signal
-
-        self.calls += 1
-        if self.calls == self.at:
-            try:
-                os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                return batch
-            os.kill(os.getpid(), signal.SIGKILL)
-        return batch
-
-
 def test_a_worker_killed_mid_epoch_restarts_the_split(tmp_path):
     ds = ray.data.range(N).map_batches(lambda b: {"x": np.eye(N, dtype=np.float32)[b["id"]]})
     with dsgd.DistributedSGD(Counter, 2, 1, gpu=False, step_timeout_s=120) as sgd:
         reset(sgd)
         summary = sgd.train(dataset=dsgd.Dataset(ds, batch_size=4,
-                                                 transform=KillOnce(str(tmp_path / "k"), 3)),
+                                                 transform=Misbehave("kill", str(tmp_path / "k"), 3)),
                             num_steps=10)
         assert summary["steps"] == 10 and len(sgd.failures) == 1
         # Every applied step trained on one full batch per worker, whatever the epoch's

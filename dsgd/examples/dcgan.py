@@ -18,6 +18,7 @@ import numpy as np
 
 import dsgd
 from dsgd.examples import mnist
+from dsgd.examples.cluster import start_ray
 
 LATENT = 32
 
@@ -106,16 +107,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    import ray
-
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     start = time.perf_counter()
-    if not ray.is_initialized():
-        if args.address:
-            ray.init(address=args.address)
-        else:
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.num_workers),
-                     include_dashboard=False, log_to_driver=False)
+    start_ray(args.address, max(os.cpu_count() or 1, args.num_workers))
     history = []
     with dsgd.Trainer(GanOperator, num_workers=args.num_workers,
                       config={dsgd.BATCH_SIZE: args.batch_size}) as trainer:

@@ -20,6 +20,7 @@ import os
 import numpy as np
 
 import dsgd
+from dsgd.examples.cluster import start_ray
 
 NUM_POINTS = 32 * 100 * 2
 
@@ -78,15 +79,7 @@ def f(sgd, x: float) -> float:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    import ray
-
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if not ray.is_initialized():
-        if args.address:
-            ray.init(address=args.address)
-        else:
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.num_workers + 1),
-                     include_dashboard=False, log_to_driver=False)
+    start_ray(args.address, max(os.cpu_count() or 1, args.num_workers + 1))
     data = [i * (1 / NUM_POINTS) for i in range(NUM_POINTS)]
     dataset = dsgd.Dataset(data, download_func=lambda x: (to_mat(x), to_mat(x)),
                            max_concurrency=args.max_concurrency, batch_size=args.batch_size)

@@ -27,6 +27,7 @@ import numpy as np
 import dsgd
 from dsgd import progress
 from dsgd.examples import mnist_data
+from dsgd.examples.cluster import start_ray
 
 TEST_PER_CLASS = 100
 
@@ -146,17 +147,9 @@ def run_steps(sgd, num_steps: int, dataset, bar) -> tuple[float, float]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    import ray
-
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     wall_start = time.perf_counter()
-    if not ray.is_initialized():
-        if args.address:
-            ray.init(address=args.address)
-        else:  # Ray Data's tasks need CPUs beside the workers'
-            extra = 0 if args.input == "memory" else 2
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.num_workers) + extra,
-                     include_dashboard=False, log_to_driver=False)
+    extra = 0 if args.input == "memory" else 2  # Ray Data's tasks need CPUs beside the workers'
+    start_ray(args.address, max(os.cpu_count() or 1, args.num_workers) + extra)
     num_replicas = args.num_workers * args.devices_per_worker
     devices, batch, lr = args.devices_per_worker, args.batch_size, args.lr
     own_data = args.input == "memory"

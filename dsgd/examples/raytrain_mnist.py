@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from dsgd.examples import mnist
+from dsgd.examples.cluster import start_ray
 
 
 def train_loop(config):
@@ -78,14 +79,9 @@ def main(argv=None) -> dict:
 
     import dsgd.train as dt
 
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     start = time.perf_counter()
-    if not ray.is_initialized():
-        if args.address:
-            ray.init(address=args.address)
-        else:  # Ray Data's read tasks need a CPU beside the workers'
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.num_workers) + 1,
-                     include_dashboard=False, log_to_driver=False)
+    # Ray Data's read tasks need a CPU beside the workers'.
+    start_ray(args.address, max(os.cpu_count() or 1, args.num_workers) + 1)
     x_train, y_train, _, _ = mnist.load_mnist()
     rng = np.random.default_rng(0)  # the digits come sorted by label
     order = rng.permutation(len(x_train))

@@ -22,6 +22,7 @@ import numpy as np
 
 import dsgd
 from dsgd.examples import mnist
+from dsgd.examples.cluster import start_ray
 
 
 def scale(batch):
@@ -63,16 +64,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    import ray
-
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     start = time.perf_counter()
-    if not ray.is_initialized():
-        if args.address:
-            ray.init(address=args.address)
-        else:
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, args.num_workers),
-                     include_dashboard=False, log_to_driver=False)
+    start_ray(args.address, max(os.cpu_count() or 1, args.num_workers))
     logdir = args.logdir or tempfile.mkdtemp(prefix="dsgd-trainer-mnist-")
     config = {dsgd.BATCH_SIZE: args.batch_size, "lr": args.lr}
     use_fp16 = {"no": False}.get(args.use_fp16, args.use_fp16)

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 
 import dsgd
+from dsgd.examples.cluster import start_ray
 from dsgd.examples.trainer_mnist import MnistOperator
 
 
@@ -32,17 +32,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    import ray
     from ray import tune
 
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     start = time.perf_counter()
-    if not ray.is_initialized():
-        if args.address:
-            ray.init(address=args.address)
-        else:  # a trial holds 1 + num_workers CPUs: room for two trials at once
-            ray.init(address="local", num_cpus=2 * (1 + args.num_workers),
-                     include_dashboard=False, log_to_driver=False)
+    start_ray(args.address, 2 * (1 + args.num_workers))  # a trial holds 1 + num_workers CPUs: two at once
     trainable = dsgd.Trainer.as_trainable(MnistOperator, num_workers=args.num_workers,
                                           config={dsgd.BATCH_SIZE: args.batch_size})
     tuner = tune.Tuner(trainable, param_space={"lr": tune.grid_search(args.lrs)},
