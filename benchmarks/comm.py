@@ -124,11 +124,16 @@ def raylet_pid() -> int | None:
     return None
 
 
-def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, compression=None):
+def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, compression=None,
+           per_group=True):
     """Per-step medians of the dsgd step and its phases, plus where the CPU went:
-    CPU ms and minor page faults per step of every process (Linux /proc)."""
+    CPU ms and minor page faults per step of every process (Linux /proc).
+    per_group=False: one apply per step (constants.APPLY_PER_GROUP)."""
     import ray
 
+    from dsgd import steps as dsgd_steps
+
+    constants.APPLY_PER_GROUP = per_group
     with dsgd.DistributedSGD(lambda w, d: FlatModel(mib, num_variables), workers, 1, gpu=False,
                              strategy="ps", num_ps=num_ps, grad_shard_bytes=shard_bytes,
                              compression=compression) as sgd:
@@ -145,6 +150,7 @@ def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, comp
         after = {k: proc_stat(pid) for k, pid in pids.items()}
         groups = len(sgd.shard_groups)
         num_shards = sgd.plan.num_shards
+        applied_per_group = dsgd_steps.per_group(sgd)
         # train(): each next step submitted before the last one's result is back.
         in_flight = sgd.train(num_steps=steps)["step_s"]
     phases = {k: statistics.median(s[k] for s in stats)
@@ -152,7 +158,8 @@ def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, comp
     phases["train_step_s"] = in_flight
     phases["cpu_ms_per_step"] = {k: 1e3 * (after[k][0] - before[k][0]) / steps for k in pids}
     phases["faults_per_step"] = {k: (after[k][1] - before[k][1]) / steps for k in pids}
-    phases.update(num_shards=num_shards, num_groups=groups)
+    phases.update(num_shards=num_shards, num_groups=groups, per_group=applied_per_group)
+    constants.APPLY_PER_GROUP = True
     return phases
 
 
@@ -269,6 +276,9 @@ def main(argv=None):
                    help="populate the object store's pages at start (RAY_preallocate_plasma_memory)")
     p.add_argument("--compression", nargs="*", default=[], choices=["fp16", "bf16"],
                    help="also run dsgd with these gradient compressions (dsgd_<c>_s columns)")
+    p.add_argument("--one-apply", action="store_true",
+                   help="also run dsgd applying each step at once instead of group by group "
+                        "(dsgd_one_apply_* columns; per_group_over_one_apply)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "comm.json"))
     args = p.parse_args(argv)
     import ray
@@ -306,6 +316,18 @@ def main(argv=None):
             print(f"        compression {compression}: dsgd step {1e3 * cphases['step_s']:.1f} ms "
                   f"({row[f'dsgd_{compression}_over_floor']:.2f} x the floor), train() step "
                   f"{1e3 * cphases['train_step_s']:.1f} ms", flush=True)
+        if args.one_apply:
+            ophases = dsgd_s(mib, args.workers, args.ps, args.steps, args.warmup,
+                             int(args.shard_mb * 1e6), args.variables, per_group=False)
+            row["dsgd_one_apply_s"] = ophases["step_s"]
+            row["dsgd_one_apply_train_s"] = ophases["train_step_s"]
+            row["dsgd_one_apply_phases"] = ophases
+            row["per_group_over_one_apply"] = row["dsgd_s"] / ophases["step_s"]
+            row["per_group_over_one_apply_train"] = row["dsgd_train_s"] / ophases["train_step_s"]
+            print(f"        one apply per step: dsgd step {1e3 * ophases['step_s']:.1f} ms, train() "
+                  f"step {1e3 * ophases['train_step_s']:.1f} ms; per group / one apply "
+                  f"{row['per_group_over_one_apply']:.2f} (step), "
+                  f"{row['per_group_over_one_apply_train']:.2f} (train)", flush=True)
         rows.append(row)
         print(f"{mib:6.1f} MiB: memcpy {1e3 * row['memcpy_s']:.1f} ms, plain {1e3 * row['plain_s']:.1f} ms, "
               f"dsgd {1e3 * row['dsgd_s']:.1f} ms, exchange {1e3 * row['exchange_s']:.1f} ms "

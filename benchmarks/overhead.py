@@ -33,6 +33,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import common  # noqa: E402
 
 import dsgd  # noqa: E402
+from dsgd import constants  # noqa: E402
 from dsgd.examples import mnist  # noqa: E402
 from comm import proc_stat, raylet_pid  # noqa: E402
 from step_time import plain_step  # noqa: E402
@@ -77,6 +78,9 @@ def main(argv=None):
                    help="steps of one sgd.train() call per round (and as many plain steps)")
     p.add_argument("--on-nonfinite", choices=["raise", "skip", "ignore"], default="raise",
                    help="dsgd's non-finite check (ignore: none, to see what the check costs)")
+    p.add_argument("--compare-one-step-per-call", action="store_true",
+                   help="each round also times train() with one step per actor call "
+                        "(constants.LOCAL_STEPS_PER_CALL = 1)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "overhead.json"))
     args = p.parse_args(argv)
     import ray
@@ -93,7 +97,8 @@ def main(argv=None):
             timed(plain, 3)
             timed(sgd.step, 3)
             sgd.train(num_steps=3)
-            t_plain, t_dsgd, round_plain, round_train = [], [], [], []
+            t_plain, t_dsgd, round_plain, round_train, round_train_1 = [], [], [], [], []
+            steps_per_call = constants.LOCAL_STEPS_PER_CALL
             pids = {"worker": ray.get(sgd.workers[0].ping.remote(), timeout=60)["pid"],
                     "raylet": raylet_pid(), "driver": os.getpid()}
             pids = {k: v for k, v in pids.items() if v is not None}
@@ -108,6 +113,11 @@ def main(argv=None):
                 for k, pid in pids.items():
                     cpu_ms[k].append(1e3 * (proc_stat(pid)[0] - before[k]) / args.train_steps)
                 round_plain.append(sum(timed(plain, args.train_steps)) / args.train_steps)
+                if args.compare_one_step_per_call:  # the same train() one step per call
+                    constants.LOCAL_STEPS_PER_CALL = 1
+                    round_train_1.append(timed(lambda: sgd.train(num_steps=args.train_steps), 1)[0]
+                                         / args.train_steps)
+                    constants.LOCAL_STEPS_PER_CALL = steps_per_call
                 print(f"{name} round {r + 1}/{args.rounds}", flush=True)
         row = {"model": name, "median_plain_s": statistics.median(t_plain),
                "median_dsgd_1_worker_s": statistics.median(t_dsgd), "samples": len(t_plain),
@@ -117,6 +127,11 @@ def main(argv=None):
                "train_cpu_ms_per_step": {k: statistics.median(v) for k, v in cpu_ms.items()}}
         row["ratio"] = row["median_dsgd_1_worker_s"] / row["median_plain_s"]
         row["ratio_train"] = row["median_dsgd_train_round_mean_s"] / row["median_plain_round_mean_s"]
+        row["train_steps_per_actor_call"] = steps_per_call
+        if round_train_1:
+            row["median_dsgd_train_1_per_call_round_mean_s"] = statistics.median(round_train_1)
+            row["ratio_train_1_per_call"] = (row["median_dsgd_train_1_per_call_round_mean_s"]
+                                             / row["median_plain_round_mean_s"])
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"benchmark": "overhead", "machine": f"{platform.machine()}, {os.cpu_count()} cores",

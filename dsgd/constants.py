@@ -11,6 +11,13 @@ DEFAULT_GRAD_SHARD_BYTES = 10_000_000
 # step, in groups of at most this many bytes (None: one group per PS); see
 # sharding.group_shards.
 SHARD_GROUP_MAX_BYTES = None
+# Strategy "ps": each worker applies every PS group's mean as soon as it is in the
+# store (Worker.apply_staged) instead of waiting for all of them, where the
+# optimizers allow it (replicas.per_group_blocker). False: one apply per step.
+APPLY_PER_GROUP = True
+# One worker, train(): steps per actor call (Worker.local_steps). Ray's cost per
+# call is paid once per this many steps; the progress bar moves in such chunks.
+LOCAL_STEPS_PER_CALL = 8
 # Each worker and PS actor faults in its page-table entries for this many
 # steps' worth of objects at the start of its object-store mapping
 # ((num_workers + 1) x gradient bytes per step; see store.warm).

@@ -70,9 +70,15 @@ def start_workers(sgd, slots: list[int], first: bool = False) -> None:
     else:
         check_signatures([sgd._signature] + infos)
         sgd._info_by_slot.update(zip(slots, infos))
-    sgd.actors.wait([w.configure.remote(sgd.plan, sgd.on_nonfinite, sgd._warm_store_bytes)
-                     for w in handles], handles, "compiling the step", sgd.start_timeout_s,
-                    stall_s)
+    configured = sgd.actors.wait([w.configure.remote(sgd.plan, sgd.on_nonfinite,
+                                                     sgd._warm_store_bytes)
+                                  for w in handles], handles, "compiling the step",
+                                 sgd.start_timeout_s, stall_s)
+    if first:
+        # Apply each PS group's mean as it arrives (Worker.apply_staged) where the
+        # optimizers allow it; replacements run the same model_creator.
+        sgd.per_group_blocker = next((c["per_group_blocker"] for c in configured
+                                      if c["per_group_blocker"]), None)
 
 
 def check_signatures(infos: list[dict]) -> None:

@@ -65,10 +65,12 @@ def library():
     return lib
 
 
-def read_shards(addresses, byte_sizes, plan) -> list:
+def read_shards(addresses, byte_sizes, plan, var_ids=None) -> list:
     """The variables' gradients (in plan variable order, shaped, of the variables'
     dtypes) read from shard buffers: `addresses[j]`/`byte_sizes[j]` (int64
-    tensors) locate shard j, laid out as `plan.shards[j]`.
+    tensors) locate shard j, laid out as `plan.shards[j]`. With `var_ids`, only
+    those variables are read (the others' entries are None) and only the shards
+    holding their pieces are touched: the others' addresses may be 0.
 
     Zero-copy where a variable sits whole in one shard at a 64-byte-aligned
     address (the tensor aliases the buffer); copied otherwise, and always for
@@ -82,21 +84,25 @@ def read_shards(addresses, byte_sizes, plan) -> list:
     lib = library()
     outputs: list = [None] * len(plan.shapes)
     wire = plan.wire_dtypes
-    for wire_dtype, dtype in sorted(set(zip(wire, plan.dtypes))):
-        shard_ids = [j for j, s in enumerate(plan.shards) if s.dtype == wire_dtype]
-        var_ids = [v for v, d in enumerate(plan.dtypes) if d == dtype and wire[v] == wire_dtype]
+    wanted = set(range(len(plan.shapes)) if var_ids is None else var_ids)
+    for wire_dtype, dtype in sorted({(wire[v], plan.dtypes[v]) for v in wanted}):
+        var_ids_here = [v for v, d in enumerate(plan.dtypes)
+                        if d == dtype and wire[v] == wire_dtype and v in wanted]
+        holding = {j for v in var_ids_here for j, _ in plan.pieces_of(v)}
+        shard_ids = [j for j, s in enumerate(plan.shards) if s.dtype == wire_dtype
+                     and (var_ids is None or j in holding)]
         local_shard = {j: k for k, j in enumerate(shard_ids)}
         pieces = []
-        for k, v in enumerate(var_ids):
+        for k, v in enumerate(var_ids_here):
             for j, p in plan.pieces_of(v):
                 pieces += [k, p.var_offset, p.length, local_shard[j], p.shard_offset]
         index = tf.constant(shard_ids, tf.int32)
         results = lib.dsgd_read_shards(
             addresses=tf.gather(addresses, index), byte_sizes=tf.gather(byte_sizes, index),
-            T=tf.as_dtype(dtype), wire=tf.as_dtype(wire_dtype), num_outputs=len(var_ids),
-            shapes=[list(plan.shapes[v]) for v in var_ids],
+            T=tf.as_dtype(dtype), wire=tf.as_dtype(wire_dtype), num_outputs=len(var_ids_here),
+            shapes=[list(plan.shapes[v]) for v in var_ids_here],
             shard_elements=[plan.shards[j].num_elements for j in shard_ids], pieces=pieces)
-        for v, tensor in zip(var_ids, results):
+        for v, tensor in zip(var_ids_here, results):
             outputs[v] = tensor
     return outputs
 

@@ -7,6 +7,8 @@ also be used in-process.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from collections.abc import Callable
 
@@ -105,6 +107,7 @@ class Replicas:
         self.wire_dtypes = plan.wire_dtypes
         self.check_finite = on_nonfinite != "ignore"
         self.gate_apply = on_nonfinite == "skip"
+        self.per_group_blocker = per_group_blocker(self.optimizers[0])
         self.retrace()
 
     def retrace(self) -> None:
@@ -115,6 +118,7 @@ class Replicas:
         self._local_step_fn = tf.function(self._local_step_graph, reduce_retracing=True)
         self._compute_fn = tf.function(self._compute_graph, reduce_retracing=True)
         self._apply_fn = tf.function(self._apply_graph, reduce_retracing=True)
+        self._stages: dict = {}  # shard groups -> [_Stage], for apply_stage
 
     def local_step(self, batches: list | None = None):
         """Batches (one per replica; None: each replica's `get_batch()`) ->
@@ -161,6 +165,67 @@ class Replicas:
         addresses = tf.constant([ops.buffer_address(a) for a in shards], tf.int64)
         byte_sizes = tf.constant([a.nbytes for a in shards], tf.int64)
         self._apply_fn(addresses, byte_sizes)
+
+    def apply_stage(self, groups: tuple[tuple[int, ...], ...], k: int, shards: dict) -> bool:
+        """Stage `k` of a step applied group by group (`groups[g]`: the shard
+        indices of group g, in the order their means arrive): update every
+        variable whose last piece is in group k, reading `shards` {shard index:
+        1-D array laid out as the plan's shard} of groups <= k in place (kept
+        alive and unchanged by the caller until this returns). Every optimizer's
+        iteration count is held at the step's value until the last stage that
+        updates one of its variables, so learning-rate schedules, Adam's bias
+        correction and every slot are those of one apply of the whole step.
+        Only for optimizers `per_group_blocker` accepts. Returns whether any
+        variable was updated. Blocks until done."""
+        import tensorflow as tf
+
+        stage = self._stages_of(groups)[k]
+        if not stage.var_ids:
+            return False
+        for j in stage.shard_ids:
+            array, shard = shards.get(j), self.plan.shards[j]
+            if not isinstance(array, np.ndarray) or array.dtype != shard.wire_numpy_dtype \
+                    or array.shape != (shard.num_elements,) or not array.flags.c_contiguous:
+                raise DsgdError(f"worker {self.worker_index}: shard {j} must be a 1-D contiguous "
+                                f"{shard.wire_numpy_dtype} array of {shard.num_elements} elements, "
+                                f"got {getattr(array, 'dtype', type(array))}"
+                                f"{getattr(array, 'shape', '')}")
+        addresses = [0] * self.plan.num_shards
+        byte_sizes = [0] * self.plan.num_shards
+        for j in stage.shard_ids:
+            addresses[j], byte_sizes[j] = ops.buffer_address(shards[j]), shards[j].nbytes
+        stage.fn(tf.constant(addresses, tf.int64), tf.constant(byte_sizes, tf.int64))
+        return True
+
+    def _stages_of(self, groups) -> list["_Stage"]:
+        import tensorflow as tf
+
+        if groups not in self._stages:
+            last = _last_group_of_variables(self.plan, groups)
+            holds = [[any(last[v] > k for v in group) for group in self.group_indices[0]]
+                     for k in range(len(groups))]
+            stages = []
+            for k in range(len(groups)):
+                var_ids = tuple(v for v in range(len(last)) if last[v] == k)
+                shard_ids = tuple(sorted({j for v in var_ids for j, _ in self.plan.pieces_of(v)}))
+                fn = tf.function(functools.partial(self._apply_stage_graph, var_ids, holds[k]))
+                stages.append(_Stage(var_ids, shard_ids, fn))
+            self._stages[groups] = stages
+        return self._stages[groups]
+
+    def _apply_stage_graph(self, var_ids, holds, addresses, byte_sizes):
+        import tensorflow as tf
+
+        grads = ops.read_shards(addresses, byte_sizes, self.plan, var_ids)
+        chosen = set(var_ids)
+        for i, (optimizers, variables) in enumerate(zip(self.optimizers, self.variables)):
+            with tf.device(self.devices[i]):
+                for o, (optimizer, group) in enumerate(zip(optimizers, self.group_indices[i])):
+                    pairs = [(grads[k], variables[k]) for k in group if k in chosen]
+                    if pairs:
+                        optimizer.apply_gradients(pairs)
+                        if holds[o]:  # more of its variables come in a later stage
+                            optimizer.iterations.assign_sub(1)
 
     def optimizer_variables(self, i: int) -> list:
         """Every optimizer variable of replica `i` (iterations, slots), optimizer by optimizer."""
@@ -257,6 +322,52 @@ class Replicas:
                             f"{len(self.replicas)} replicas")
         return [None if b is None else tf.nest.map_structure(tf.convert_to_tensor, b)
                 for b in batches]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    var_ids: tuple[int, ...]    # the variables it updates
+    shard_ids: tuple[int, ...]  # the shards holding their gradients
+    fn: Callable                # compiled: (addresses, byte_sizes) of every shard -> update
+
+
+def _last_group_of_variables(plan: ShardPlan, groups) -> list[int]:
+    """For each variable, the group holding its last-arriving piece (the last
+    group for a variable with no elements, which has no piece)."""
+    group_of = {j: g for g, shards in enumerate(groups) for j in shards}
+    return [max((group_of[j] for j, _ in plan.pieces_of(v)), default=len(groups) - 1)
+            for v in range(len(plan.shapes))]
+
+
+# Keras optimizers whose update of a variable reads only that variable's
+# gradient, its own slots and the iteration count (held by apply_stage), so that
+# applying a step in parts equals one apply. Exact types only: a subclass may
+# change that. Not here: Nadam (a product updated once per apply), Muon and
+# ScheduleFreeAdamW (cross-variable or per-call state), LossScaleOptimizer
+# (one finiteness check over all gradients).
+_PER_VARIABLE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax",
+                            "Ftrl", "Lion", "Lamb", "Adafactor")
+
+
+def per_group_blocker(optimizers) -> str | None:
+    """Why a step cannot be applied shard group by group with these optimizers
+    (None: it can): global_clipnorm, EMA and gradient accumulation need every
+    gradient of the step at once, and optimizers not known to update each
+    variable on its own are not split."""
+    import keras
+
+    known = tuple(getattr(keras.optimizers, name) for name in _PER_VARIABLE_OPTIMIZERS)
+    for optimizer in optimizers:
+        name = type(optimizer).__name__
+        if type(optimizer) not in known:
+            return f"optimizer {name} is not one known to update each variable on its own"
+        if getattr(optimizer, "global_clipnorm", None):
+            return f"{name} has global_clipnorm (needs every gradient at once)"
+        if getattr(optimizer, "use_ema", False):
+            return f"{name} has use_ema=True (averages every variable on each apply)"
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            return f"{name} accumulates gradients (gradient_accumulation_steps)"
+    return None
 
 
 def _finite_flags(grads, gpu: bool) -> list:

@@ -5,7 +5,10 @@ A step is `submit` (workers start computing: `compute` streams, or one
 `local_step` with one worker), `exchange` (the driver waits for the workers'
 infos, checks for epoch ends and non-finite gradients, calls the PS actors as
 each shard group is written and submits every worker's `apply`), then `finish`
-(the applies, or the local step, are waited for).
+(the applies, or the local step, are waited for). With strategy "ps" and
+several groups, each worker's `apply_staged` applies a group's variables as
+soon as that group's mean is in the store (`per_group`); a mean whose PS died
+is computed by the workers themselves, so the step still completes exactly.
 
 `run` makes steps one after the other with recovery from actor deaths (and hung
 actors, with `replace_hung`). With `ahead`, the next step is submitted right
@@ -14,9 +17,13 @@ starts the next step's compute the moment its apply ends, instead of idling for
 a round trip to the driver. With several workers nothing of a step in flight
 touches weights before the step before it has been checked and applied, so
 results are those of steps run one at a time; on a failure the step in flight
-is dropped and redone. (With one worker the step ahead is a whole local step: if
-the one before it had a NaN gradient under on_nonfinite="raise", that one was
-applied too, as the error says, and both are counted.)
+is dropped and redone.
+
+With one worker and a known count (`train()`), `run_local` runs the steps
+LOCAL_STEPS_PER_CALL per actor call, the next call queued behind the current
+one: Ray's cost per call is paid once per chunk. A NaN gradient under
+on_nonfinite="raise" (applied: one worker checks alongside the update) stops
+that call and the one queued behind it.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from __future__ import annotations
 import logging
 import time
 
-from dsgd import recovery
+from dsgd import constants, recovery
 from dsgd.actors import actor_died_errors
 from dsgd.errors import DsgdError, NonFiniteError, StepTimeoutError
 from dsgd.param_server import mean_shard, split_group
@@ -77,7 +84,7 @@ class Step:
         if not check_finite(sgd, self.infos):
             self.applied = [{"apply_s": 0.0}]  # skipped: the streams' shards are dropped
             return
-        mean_refs = []
+        mean_refs, grad_refs = [], []
         for g, group in enumerate(sgd.shard_groups):
             refs = sgd.actors.next_all(self.streams, workers, f"{self.label}: writing shard group {g}",
                                        self.time_left())
@@ -85,12 +92,20 @@ class Step:
             if sgd.strategy == "ps":
                 ps = sgd.actors.ps[sgd.ps_assignment[group[0]]]
                 mean_refs.append(ps.mean.remote(shards, *refs))
+                grad_refs.append(refs)
             else:
                 worker_groups = sgd.actors.wait(refs, workers, f"{self.label}: gathering shard "
                                                 f"group {g}", self.time_left())
                 mean_refs.append(ray.put(tuple(
                     mean_shard(s, p) for s, p in zip(shards, split_group(shards, worker_groups)))))
-        self.apply_refs = [w.apply.remote(sgd.shard_groups, *mean_refs) for w in workers]
+        if per_group(sgd):
+            # Every gradient is in the store by now: a worker applies group g while
+            # the PS actors still sum the groups after it, and can compute a mean
+            # itself if its PS dies (Worker.apply_staged).
+            self.apply_refs = [w.apply_staged.remote(sgd.shard_groups, mean_refs, grad_refs,
+                                                     self.time_left()) for w in workers]
+        else:
+            self.apply_refs = [w.apply.remote(sgd.shard_groups, *mean_refs) for w in workers]
 
     def finish(self) -> tuple[list, list]:
         """(infos, applied): waits for the applies, or for the local step."""
@@ -114,7 +129,12 @@ def run(sgd, feed, count: int | None):
     and every info {"epoch_end": True} when the feed's epoch ended instead. The
     next step is submitted ahead while this one finishes, except where that could
     apply a step nobody asked for (one worker, count None) or workers may change
-    (elastic below its target)."""
+    (elastic below its target). One worker with a count runs several steps per
+    call (`run_local`)."""
+    if (count is not None and count > 1 and sgd.target_workers == 1 and sgd.num_workers == 1
+            and constants.LOCAL_STEPS_PER_CALL > 1):
+        yield from run_local(sgd, feed, count)
+        return
     done, pending = 0, None
     while count is None or done < count:
         ahead = None
@@ -163,6 +183,8 @@ def run(sgd, feed, count: int | None):
                 continue
             infos, applied = None, [{"apply_s": 0.0}]
             ahead = None
+        else:
+            _replace_fallen_ps(sgd, applied)
         pending = ahead
         if infos is not None and infos[0].get("epoch_end"):
             yield infos, [], False
@@ -175,6 +197,150 @@ def run(sgd, feed, count: int | None):
         _advance(feed, sgd, step_workers)  # the rows of the workers the step ran on
         done += 1
         yield infos, applied, skipped
+
+
+class LocalSteps:
+    """Several steps of a one-worker `sgd` in one actor call (Worker.local_steps):
+    Ray's cost per call (submitting, scheduling, the result's round trip) is
+    paid once for all of them."""
+
+    def __init__(self, sgd, data: list, run_id: int, first_number: int):
+        self.sgd, self.data, self.run_id = sgd, data, run_id
+        self.label = f"steps {first_number}-{first_number + len(data) - 1}"
+        self.workers = list(sgd.workers)
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    def submit(self) -> "LocalSteps":
+        self.start = time.perf_counter()
+        self.ref = self.workers[0].local_steps.remote(self.data, self.run_id)
+        return self
+
+    def finish(self) -> list[dict]:
+        """One info per step run (fewer than asked at an epoch's end or after a
+        non-finite gradient under on_nonfinite="raise"). Waits at most
+        step_timeout_s per step."""
+        sgd = self.sgd
+        timeout = sgd.step_timeout_s * self.size - (time.perf_counter() - self.start)
+        return sgd.actors.wait([self.ref], self.workers, self.label, max(0.001, timeout))[0]
+
+
+def run_local(sgd, feed, count: int):
+    """`run` for one worker and a known count: chunks of up to
+    LOCAL_STEPS_PER_CALL steps per actor call, the next chunk submitted while
+    this one runs. Yields per step as `run` does; each step's applied entry
+    carries "step_s", the chunk's wall time per step (steps of one chunk
+    arrive together). A worker death loses the unreported steps of the chunk,
+    which recovery (a checkpoint) redoes; after a non-finite gradient under
+    "raise" the worker runs nothing more of this call (NonFiniteError)."""
+    sgd._local_runs = run_id = getattr(sgd, "_local_runs", 0) + 1
+    chunk = constants.LOCAL_STEPS_PER_CALL
+    done, pending, last = 0, None, time.perf_counter()
+
+    def submit(offset: int, size: int) -> LocalSteps:
+        data = [feed_args(sgd, feed, offset + k)[0] for k in range(size)]
+        return LocalSteps(sgd, data, run_id, sgd.steps_done + offset + 1).submit()
+
+    while done < count:
+        ahead = None
+        try:
+            if pending is None:
+                pending = submit(0, min(chunk, count - done))
+            rest = count - done - pending.size
+            try:
+                if rest > 0:
+                    ahead = submit(pending.size, min(chunk, rest))
+            except Exception:
+                _count_quietly(pending, feed)  # e.g. the next data failed: these steps run
+                raise
+            try:
+                infos = pending.finish()
+            except Exception as e:
+                if ahead is not None and not isinstance(e, (*actor_died_errors(),
+                                                            StepTimeoutError)):
+                    _count_quietly(ahead, feed)  # the worker halted this run: runs nothing
+                raise
+        except (*actor_died_errors(), StepTimeoutError) as e:
+            if isinstance(e, StepTimeoutError):
+                if not sgd.replace_hung or not getattr(e, "late", None):
+                    raise
+                logger.warning("%s: killing the hung worker to replace it (%s)", pending.label,
+                               recovery.first_line(e))
+                for handle in e.late:
+                    sgd.actors.kill(handle)
+            pending = None
+            recovery.recover(sgd, e)  # one worker: a checkpoint, or an error
+            continue
+        now = time.perf_counter()
+        step_s, last = (now - last) / max(1, len(infos)), now
+        for info in infos:
+            if info.get("epoch_end"):
+                yield [info], [], False
+                continue
+            if "error" in info:  # a step failed after others of the call were applied
+                if ahead is not None:
+                    _count_quietly(ahead, feed)
+                raise info["error"]
+            try:
+                skipped = not check_finite(sgd, [info])
+            except NonFiniteError:
+                _advance(feed, sgd, 1)  # check_finite counted the applied step
+                if ahead is not None:
+                    _count_quietly(ahead, feed)
+                raise
+            if skipped:
+                sgd.skipped_steps += 1
+            else:
+                sgd.steps_done += 1
+            _advance(feed, sgd, 1)
+            done += 1
+            yield [info], [{"apply_s": 0.0, "step_s": step_s}], skipped
+        pending = ahead
+
+
+def _count_quietly(chunk: LocalSteps, feed) -> None:
+    """Wait for a call of local steps whose outcome no one will read (the
+    caller raises another error), counting the steps it applied or skipped."""
+    try:
+        infos = chunk.finish()
+    except Exception:  # noqa: BLE001 - the caller's error is the one to report
+        return
+    sgd = chunk.sgd
+    for info in infos:
+        if info.get("epoch_end") or "error" in info:
+            continue
+        if info["applied"]:
+            sgd.steps_done += 1
+        else:
+            sgd.skipped_steps += 1
+        _advance(feed, sgd, 1)
+
+
+def per_group(sgd) -> bool:
+    """Whether steps apply each PS group's mean as it arrives: strategy "ps", more
+    than one group, optimizers that allow it (Replicas.per_group_blocker), and
+    not turned off (constants.APPLY_PER_GROUP)."""
+    return (constants.APPLY_PER_GROUP and sgd.strategy == "ps" and len(sgd.shard_groups) > 1
+            and getattr(sgd, "per_group_blocker", "unknown") is None)
+
+
+def _replace_fallen_ps(sgd, applied: list) -> None:
+    """After a step the workers completed by computing some group means
+    themselves (their PS died, Worker.apply_staged): replace the dead PS actors
+    now, as a recovered failure, instead of failing the next step."""
+    groups = sorted({g for a in applied for g in a.get("ps_fallback", ())})
+    if not groups:
+        return
+    error = DsgdError(f"step {sgd.steps_done + 1}: the PS of shard group(s) {groups} did not "
+                      "answer; the workers computed those means themselves")
+    try:
+        recovery.recover(sgd, error)
+    except DsgdError as e:
+        if e is not error:
+            raise
+        logger.warning("%s (no PS actor found dead)", error)
 
 
 def _advance(feed, sgd, num_workers: int) -> None:

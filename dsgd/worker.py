@@ -35,6 +35,7 @@ class Worker:
         self.applied_steps = 0
         self._gc_frozen = False
         self._loaders: dict = {}  # data feed key -> loader (dsgd/data/feeds.py)
+        self._halted_run = None  # local_steps: the run a non-finite gradient stopped
         self.replicas = Replicas(model_creator, worker_index, devices_per_worker, gpu,
                                  all_reduce_alg)
 
@@ -50,12 +51,14 @@ class Worker:
         return info
 
     def configure(self, plan: ShardPlan, on_nonfinite: str = "raise",
-                  warm_store_bytes: int = 0) -> None:
+                  warm_store_bytes: int = 0) -> dict:
         """Compile the step for `plan` and warm `warm_store_bytes` of this process's
-        object-store mapping (store.warm)."""
+        object-store mapping (store.warm). Returns {"per_group_blocker": why the
+        step cannot be applied group by group (`apply_staged`), or None}."""
         self.replicas.configure(plan, on_nonfinite)
         self.warmed_store_bytes = store.warm(warm_store_bytes)
         self._gc_frozen = False  # new functions: freeze again once they are traced
+        return {"per_group_blocker": self.replicas.per_group_blocker}
 
     def _freeze_gc_once(self) -> None:
         """After the first step (TensorFlow, Keras and the traced step are built),
@@ -118,6 +121,38 @@ class Worker:
                 "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
                 "samples": samples, "data_s": data_s, "compute_s": time.perf_counter() - start}
 
+    def local_steps(self, datas: list, run: int) -> list[dict]:
+        """Several `local_step`s in one call (one worker, `train()`): one info per
+        step run, in order. Stops after a step whose data's epoch ended, and after
+        a step with a non-finite gradient under on_nonfinite="raise" (that step
+        was applied, as with `local_step`), or at a step that raised (raised
+        here if it was the first, else returned as a last {"error": exception}
+        after the infos of the steps applied before it); later calls with the
+        same `run` then return [] without running anything, so that steps
+        queued behind it are not applied. Blocks until the steps are applied."""
+        if run == self._halted_run:
+            return []
+        infos = []
+        for data in datas:
+            try:
+                info = self.local_step(data)
+            except Exception as e:
+                self._halted_run = run  # nothing queued behind this call runs either
+                if not infos:
+                    raise
+                # The steps before it were applied: report them, and the error.
+                e.add_note(f"(worker {self.worker_index}, step {len(infos) + 1} of a call of "
+                           f"{len(datas)} local steps; the {len(infos)} before it were applied)")
+                infos.append({"error": e})
+                break
+            infos.append(info)
+            if info.get("epoch_end"):
+                break
+            if not all(info["finite"]) and info["applied"]:
+                self._halted_run = run
+                break
+        return infos
+
     def compute(self, groups: tuple[tuple[int, ...], ...], data=None):
         """This step's gradients, averaged across local replicas, streamed group by
         group. A generator (call with num_returns="streaming"): yields the info
@@ -158,6 +193,66 @@ class Worker:
         self.applied_steps += 1
         self._freeze_gc_once()
         return {"apply_s": time.perf_counter() - start}
+
+    def apply_staged(self, groups: tuple[tuple[int, ...], ...], mean_refs: list,
+                     grad_refs: list, timeout_s: float) -> dict:
+        """Apply the global mean gradient group by group, each group's variables as
+        soon as its mean is in the store, so applying overlaps the PS summing the
+        groups after it (Replicas.apply_stage keeps it exactly one update).
+        `mean_refs[g]`: the ObjectRef of group g's PS mean; `grad_refs[g]`: every
+        worker's ObjectRef of its group g (nested in lists, so Ray passes them
+        unresolved). A mean whose PS died is computed here from the workers'
+        gradients, with the PS's own kernel and order, so the step completes
+        exactly; the result's "ps_fallback" names such groups, for the driver to
+        replace the PS. A worker that cannot finish a step it has begun to apply
+        exits (its weights would be neither the step's nor the last): the driver
+        then recovers it like any dead worker. Waits at most `timeout_s` seconds.
+        The means are read-only object-store views, read during the call."""
+        import ray
+
+        from dsgd.param_server import mean_shard, split_group
+
+        start = time.perf_counter()
+        deadline = start + timeout_s
+        if len(mean_refs) != len(groups) or len(grad_refs) != len(groups):
+            raise DsgdError(f"worker {self.worker_index}: got {len(mean_refs)} mean refs and "
+                            f"{len(grad_refs)} gradient ref lists for {len(groups)} groups")
+        shards: dict = {}
+        fallback, wait_s, begun = [], 0.0, False
+        try:
+            for k, group in enumerate(groups):
+                waited = time.perf_counter()
+                try:
+                    means = ray.get(mean_refs[k], timeout=max(0.001, deadline - waited))
+                except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
+                    plan_shards = [self.replicas.plan.shards[j] for j in group]
+                    worker_groups = ray.get(list(grad_refs[k]),
+                                            timeout=max(0.001, deadline - time.perf_counter()))
+                    means = tuple(mean_shard(s, p) for s, p in
+                                  zip(plan_shards, split_group(plan_shards, worker_groups)))
+                    fallback.append(k)
+                wait_s += time.perf_counter() - waited
+                if len(means) != len(group):
+                    raise DsgdError(f"worker {self.worker_index}: a mean group holds "
+                                    f"{len(means)} arrays for shards {list(group)}")
+                shards.update(zip(group, means))
+                begun = self.replicas.apply_stage(groups, k, shards) or begun
+        except BaseException as e:
+            if begun:
+                import os
+                import sys
+                import traceback
+
+                print(f"dsgd worker {self.worker_index}: exiting: step {self.applied_steps + 1} "
+                      f"was partly applied when {type(e).__name__}: {e}", file=sys.stderr)
+                traceback.print_exc()
+                sys.stderr.flush()
+                os._exit(1)
+            raise
+        self.applied_steps += 1
+        self._freeze_gc_once()
+        return {"apply_s": time.perf_counter() - start - wait_s, "wait_s": wait_s,
+                "ps_fallback": fallback}
 
     def get_state(self) -> list[np.ndarray]:
         """Replica 0's full model state (a Keras model's `weights`, non-trainable

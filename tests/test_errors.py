@@ -181,6 +181,33 @@ class WideReplica(tiny.TinyModel):
                                        keras.layers.Dense(tiny.OUT)])
 
 
+class NanAtPlainSGD(NanAt):
+    """NanAt with a stateless optimizer: new weights are all it takes to train on."""
+
+    def __init__(self, worker_index, device_index, devices_per_worker, nan_step):
+        import keras
+
+        super().__init__(worker_index, device_index, devices_per_worker, nan_step)
+        self.optimizer = keras.optimizers.SGD(learning_rate=0.1)
+
+
+class FailsAt(tiny.TinyModel):
+    """get_batch raises ValueError at its `fail_at`-th call (0-based), once."""
+
+    def __init__(self, worker_index, device_index, fail_at):
+        import keras
+
+        super().__init__(worker_index, device_index, 1, 4)
+        self.optimizer = keras.optimizers.SGD(learning_rate=0.1)
+        self.fail_at, self.calls = fail_at, 0
+
+    def get_batch(self):
+        self.calls += 1
+        if self.calls - 1 == self.fail_at:
+            raise ValueError(f"no batch {self.fail_at}")
+        return super().get_batch()
+
+
 def time_now():
     import time
 
@@ -189,11 +216,36 @@ def time_now():
 
 @pytest.mark.cluster
 @pytest.mark.usefixtures("ray_local")
-def test_nonfinite_in_train_counts_the_step_in_flight_too():
-    """One worker keeps the next local step queued in train(): when a NaN step raises,
-    that queued step ran as well, and the driver's count matches the worker's."""
-    with dsgd.DistributedSGD(lambda w, d: NanAt(w, d, 2, 2), 1, 2, gpu=False) as sgd:
+def test_nonfinite_in_train_stops_the_steps_queued_behind_it(monkeypatch):
+    """One worker runs train()'s steps several per call, the next call queued
+    behind the current one: a NaN step (applied, as with one worker always) stops
+    its call and the queued one, so no later step is applied, and the driver's
+    count matches the worker's. The next train() runs normally."""
+    monkeypatch.setattr(dsgd.constants, "LOCAL_STEPS_PER_CALL", 2)  # NaN at step 3: 2nd call
+    with dsgd.DistributedSGD(lambda w, d: NanAtPlainSGD(w, d, 2, 2), 1, 2, gpu=False) as sgd:
         with pytest.raises(dsgd.NonFiniteError, match="step 3: non-finite gradient"):
-            sgd.train(num_steps=6)
+            sgd.train(num_steps=8)
         applied = ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"]
-        assert sgd.steps_done == applied == 4
+        assert sgd.steps_done == applied == 3
+        sgd.set_weights([np.ones_like(w) * 0.1 for w in sgd.get_weights()])  # no NaN left
+        summary = sgd.train(num_steps=5)
+        assert summary["steps"] == 5 and sgd.steps_done == 8
+        assert ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"] == 8
+        assert np.isfinite(summary["loss"])
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("fail_at", [2, 3])  # the first step of the 2nd call, its second
+def test_a_step_raising_in_a_call_of_several_counts_the_steps_before_it(fail_at, monkeypatch):
+    """One worker, train() in calls of 2 steps: a step whose get_batch raises
+    stops its call and the call queued behind it; the error reaches the caller,
+    and the steps applied before it are counted (driver and worker agree)."""
+    monkeypatch.setattr(dsgd.constants, "LOCAL_STEPS_PER_CALL", 2)
+    with dsgd.DistributedSGD(lambda w, d: FailsAt(w, d, fail_at), 1, 1, gpu=False) as sgd:
+        with pytest.raises(ValueError, match=f"no batch {fail_at}"):
+            sgd.train(num_steps=8)
+        applied = ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"]
+        assert sgd.steps_done == applied == fail_at
+        assert sgd.train(num_steps=3)["steps"] == 3  # a new call runs again
+        assert ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"] == fail_at + 3

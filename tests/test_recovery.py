@@ -143,6 +143,27 @@ def test_every_worker_dead_restores_the_last_checkpoint(tmp_path):
         assert not all(np.array_equal(a, b) for a, b in zip(sgd.get_weights(), saved))
 
 
+def test_one_worker_killed_in_a_call_of_several_steps_restores_the_checkpoint(tmp_path,
+                                                                              monkeypatch):
+    """One worker runs train()'s steps 3 per call: it dies inside the second call
+    (step 5); recovery restores the step-1 checkpoint and the remaining steps run
+    from there, so the weights are those of 4 uninterrupted steps."""
+    monkeypatch.setattr(constants, "LOCAL_STEPS_PER_CALL", 3)
+    marker = str(tmp_path / "killed")
+    with dsgd.DistributedSGD(killing_creator(4, 0, marker), 1, 1, gpu=False) as sgd:
+        initial = sgd.get_weights()
+        sgd.step()
+        sgd.save_checkpoint(str(tmp_path / "ckpt"))
+        summary = sgd.train(num_steps=6)
+        assert os.path.exists(marker)
+        assert summary["steps"] == 6 and summary["failures"] == 1
+        assert sgd.steps_done == 4  # 1, the checkpoint; 2-4 lost with the worker; 2-4 again
+        final = sgd.get_weights()
+    expected, _ = tiny.reference_run(initial, 1, BATCH, 4, "sgdm")
+    for got, want in zip(final, expected):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
 class Blocker:
     def ready(self):
         return True

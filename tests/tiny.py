@@ -29,6 +29,14 @@ def make_optimizer(name: str):
         return keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
     if name == "adam":
         return keras.optimizers.Adam(learning_rate=0.01)
+    if name == "adam_schedule":  # the rate and Adam's bias correction read iterations
+        return keras.optimizers.Adam(learning_rate=keras.optimizers.schedules.ExponentialDecay(
+            0.03, decay_steps=1, decay_rate=0.6))
+    if name == "adamw_schedule":
+        return keras.optimizers.AdamW(learning_rate=keras.optimizers.schedules.PiecewiseConstantDecay(
+            [1, 2], [0.03, 0.01, 0.004]), weight_decay=0.1)
+    if name == "adam_global_clipnorm":
+        return keras.optimizers.Adam(learning_rate=0.01, global_clipnorm=0.05)
     raise ValueError(name)
 
 
@@ -95,6 +103,26 @@ def reference_run(initial_weights, num_replicas: int, batch_size: int, steps: in
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
     return model.get_weights(), losses
+
+
+class TwoOptimizerModel(TinyModel):
+    """The first layer trained by Adam with a schedule, the second by SGD with
+    momentum (get_variable_groups); both minimise the same loss."""
+
+    def __init__(self, worker_index, device_index, devices_per_worker, batch_size):
+        super().__init__(worker_index, device_index, devices_per_worker, batch_size,
+                         "adam_schedule")
+        self.optimizers = [self.optimizer, make_optimizer("sgdm")]
+
+    def get_loss(self, batch):
+        loss = mse(self.model, batch[0], batch[1])
+        return [loss, loss]
+
+    def get_optimizer(self):
+        return self.optimizers
+
+    def get_variable_groups(self):
+        return [self.model.layers[0].trainable_variables, self.model.layers[1].trainable_variables]
 
 
 class StepKeyedModel(TinyModel):

@@ -1,0 +1,147 @@
+"""Per-group apply (strategy "ps"): each worker applies a PS group's mean as soon
+as it is in the store (Worker.apply_staged). It must be one update of the whole
+step: the same weights and optimizer state, bit for bit, as one apply, with
+learning-rate schedules, Adam's bias correction and several optimizers."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import ray
+
+import dsgd
+from dsgd import constants, steps
+from dsgd.replicas import _last_group_of_variables, per_group_blocker
+import tiny
+
+BATCH, STEPS = 4, 4
+
+
+def make(creator, **kwargs):
+    # 100-byte shards over 2 PS: 2 groups, and variable 0 (140 bytes) split across them.
+    return dsgd.DistributedSGD(creator, 2, 1, gpu=False, grad_shard_bytes=100, num_ps=2,
+                               step_timeout_s=120, **kwargs)
+
+
+def run(creator, per_group: bool, monkeypatch, steps_to_run=STEPS):
+    """(initial weights, final weights, every replica's optimizer variables, sgd facts)."""
+    monkeypatch.setattr(constants, "APPLY_PER_GROUP", per_group)
+    with make(creator) as sgd:
+        initial = sgd.get_weights()
+        for _ in range(steps_to_run):
+            sgd.step()
+        plan, groups = sgd.plan, sgd.shard_groups
+        last = _last_group_of_variables(plan, groups)
+        facts = {"per_group": steps.per_group(sgd), "groups": len(groups),
+                 "split_across_groups": any(
+                     len({g for g, shards in enumerate(groups) for j, _ in plan.pieces_of(v)
+                          if j in shards}) > 1 for v in range(len(plan.shapes))),
+                 "stages": len(set(last)), "blocker": sgd.per_group_blocker}
+        optimizer_state = sgd.foreach_worker(
+            lambda w: [[np.array(v.numpy()) for v in w.replicas.optimizer_variables(i)]
+                       for i in range(len(w.replicas.replicas))])
+        return initial, sgd.get_weights(), optimizer_state, facts
+
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
+
+
+@pytest.mark.parametrize("optimizer", ["adam_schedule", "adamw_schedule"])
+def test_adam_with_a_schedule_per_group_equals_one_apply_and_the_reference(optimizer,
+                                                                            monkeypatch):
+    creator = tiny.creator(1, BATCH, optimizer)
+    initial, staged, staged_state, facts = run(creator, True, monkeypatch)
+    assert facts["per_group"] and facts["blocker"] is None
+    assert facts["groups"] == 2 and facts["stages"] == 2 and facts["split_across_groups"]
+    _, whole, whole_state, whole_facts = run(creator, False, monkeypatch)
+    assert not whole_facts["per_group"]
+    for a, b in zip(staged, whole):
+        np.testing.assert_array_equal(a, b)  # bit for bit
+    for worker_staged, worker_whole in zip(staged_state, whole_state):
+        for replica_staged, replica_whole in zip(worker_staged, worker_whole):
+            for a, b in zip(replica_staged, replica_whole):
+                np.testing.assert_array_equal(a, b)  # iterations and every slot
+    # The iteration count was held between the groups: one per step, not one per group.
+    iterations = [replica[0] for worker in staged_state for replica in worker]
+    assert all(int(i) == STEPS for i in iterations)
+    expected, _ = tiny.reference_run(initial, 2, BATCH, STEPS, optimizer)
+    for got, want in zip(staged, expected):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert max(np.abs(a - b).max() for a, b in zip(staged, initial)) > 1e-2
+
+
+def test_two_optimizers_per_group_equal_one_apply(monkeypatch):
+    creator = lambda w, d: tiny.TwoOptimizerModel(w, d, 1, BATCH)  # noqa: E731
+    initial, staged, staged_state, facts = run(creator, True, monkeypatch)
+    assert facts["per_group"] and facts["stages"] == 2
+    _, whole, whole_state, _ = run(creator, False, monkeypatch)
+    for a, b in zip(staged, whole):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(staged_state[0][0], whole_state[0][0]):
+        np.testing.assert_array_equal(a, b)
+    # Both optimizers counted one iteration per step.
+    counts = sorted(int(np.asarray(v)) for v in staged_state[0][0] if np.asarray(v).ndim == 0
+                    and np.asarray(v).dtype.kind == "i")
+    assert counts == [STEPS, STEPS]
+    assert max(np.abs(a - b).max() for a, b in zip(staged, initial)) > 1e-2
+
+
+def test_global_clipnorm_applies_the_step_at_once_and_stays_exact(monkeypatch):
+    initial, final, _, facts = run(tiny.creator(1, BATCH, "adam_global_clipnorm"), True,
+                                   monkeypatch)
+    assert not facts["per_group"] and "global_clipnorm" in facts["blocker"]
+    expected, _ = tiny.reference_run(initial, 2, BATCH, STEPS, "adam_global_clipnorm")
+    for got, want in zip(final, expected):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_ps_dead_before_the_step_the_workers_compute_its_mean(monkeypatch):
+    """PS 1 is dead when step 3 starts: the workers apply group by group, compute
+    that PS's mean themselves from the gradients in the store, and complete the
+    step exactly; the driver then replaces the PS (a recovered failure, the step
+    not retried)."""
+    monkeypatch.setattr(constants, "APPLY_PER_GROUP", True)
+    keyed = lambda w, d: tiny.StepKeyedModel(w, d, 1, BATCH)  # noqa: E731
+    with make(keyed) as sgd:
+        initial = sgd.get_weights()
+        sgd.step()
+        sgd.step()
+        assert steps.per_group(sgd)
+        os.kill(ray.get(sgd.ps_actors[1].ping.remote(), timeout=60)["pid"], signal.SIGKILL)
+        stats = sgd.step(fetch_stats=True)
+        assert len(sgd.failures) == 1, sgd.failures
+        reason = sgd.failures[0]["reason"]
+        assert "PS actor(s) 1 died" in reason and "not retried" in reason
+        assert stats["step"] == 3 and sgd.steps_done == 3
+        sgd.step()
+        assert len(sgd.failures) == 1  # the new PS serves step 4
+        final = sgd.get_weights()
+        replicas = sgd.foreach_model(lambda m: m.get_weights())
+    expected, _ = tiny.reference_run(initial, 2, BATCH, 4, "sgdm")
+    for got, want in zip(final, expected):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    for a, b in zip(*replicas):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_per_group_blocker_names_what_needs_every_gradient():
+    import keras
+
+    assert per_group_blocker([keras.optimizers.Adam()]) is None
+    assert per_group_blocker([keras.optimizers.SGD(momentum=0.9, clipnorm=1.0)]) is None
+    assert per_group_blocker([keras.optimizers.AdamW(weight_decay=0.1)]) is None
+    assert "global_clipnorm" in per_group_blocker([keras.optimizers.Adam(global_clipnorm=1.0)])
+    assert "use_ema" in per_group_blocker([keras.optimizers.Adam(use_ema=True)])
+    assert "gradient_accumulation_steps" in per_group_blocker(
+        [keras.optimizers.SGD(gradient_accumulation_steps=2)])
+    assert "Nadam" in per_group_blocker([keras.optimizers.Nadam()])
+    assert "LossScaleOptimizer" in per_group_blocker(
+        [keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())])
+
+    class MyAdam(keras.optimizers.Adam):
+        pass
+
+    assert "MyAdam" in per_group_blocker([MyAdam()])
+    # One optimizer that cannot be split stops the whole step from being split.
+    assert "Nadam" in per_group_blocker([keras.optimizers.SGD(), keras.optimizers.Nadam()])
