@@ -125,10 +125,11 @@ def raylet_pid() -> int | None:
 
 
 def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, compression=None,
-           per_group=True):
+           per_group=True, ab_rounds=0):
     """Per-step medians of the dsgd step and its phases, plus where the CPU went:
     CPU ms and minor page faults per step of every process (Linux /proc).
-    per_group=False: one apply per step (constants.APPLY_PER_GROUP)."""
+    per_group=False: one apply per step (constants.APPLY_PER_GROUP). ab_rounds:
+    then that many interleaved rounds of per-group apply on and off (ab_* keys)."""
     import ray
 
     from dsgd import steps as dsgd_steps
@@ -153,12 +154,24 @@ def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, comp
         applied_per_group = dsgd_steps.per_group(sgd)
         # train(): each next step submitted before the last one's result is back.
         in_flight = sgd.train(num_steps=steps)["step_s"]
+        ab = {}
+        if ab_rounds and applied_per_group:
+            # Interleaved A/B on the same actors: rounds of step() and train() with
+            # per-group apply on, then off (the driver reads the flag every step).
+            for _ in range(ab_rounds):
+                for flag, name in ((True, "per_group"), (False, "one_apply")):
+                    constants.APPLY_PER_GROUP = flag
+                    ab.setdefault(f"{name}_step_s", []).append(median_time(sgd.step, steps, 1))
+                    ab.setdefault(f"{name}_train_s", []).append(
+                        sgd.train(num_steps=steps)["step_s"])
+            constants.APPLY_PER_GROUP = True
+            ab = {f"ab_{k}": statistics.median(v) for k, v in ab.items()}
     phases = {k: statistics.median(s[k] for s in stats)
               for k in ("step_s", "compute_s", "exchange_s", "apply_s")}
     phases["train_step_s"] = in_flight
     phases["cpu_ms_per_step"] = {k: 1e3 * (after[k][0] - before[k][0]) / steps for k in pids}
     phases["faults_per_step"] = {k: (after[k][1] - before[k][1]) / steps for k in pids}
-    phases.update(num_shards=num_shards, num_groups=groups, per_group=applied_per_group)
+    phases.update(num_shards=num_shards, num_groups=groups, per_group=applied_per_group, **ab)
     constants.APPLY_PER_GROUP = True
     return phases
 
@@ -279,6 +292,9 @@ def main(argv=None):
     p.add_argument("--one-apply", action="store_true",
                    help="also run dsgd applying each step at once instead of group by group "
                         "(dsgd_one_apply_* columns; per_group_over_one_apply)")
+    p.add_argument("--ab-rounds", type=int, default=0,
+                   help="interleaved rounds of per-group apply on/off on the same actors "
+                        "(dsgd_phases ab_* keys: medians of step() and train() step times)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "comm.json"))
     args = p.parse_args(argv)
     import ray
@@ -293,7 +309,7 @@ def main(argv=None):
         row = {"mib": mib, "workers": args.workers, "num_ps": args.ps,
                "memcpy_s": memcpy_s(mib, args.steps), "plain_s": plain_s(mib, args.steps, args.warmup, args.variables)}
         phases = dsgd_s(mib, args.workers, args.ps, args.steps, args.warmup, int(args.shard_mb * 1e6),
-                        args.variables)
+                        args.variables, ab_rounds=args.ab_rounds)
         row.update(dsgd_s=phases["step_s"], dsgd_phases=phases)
         row["peer_s"] = peer_s(mib, args.workers, args.ps, args.steps, args.warmup)
         row["shared_plain_s"] = shared_plain_s(mib, args.workers, args.steps, args.warmup,
@@ -328,6 +344,18 @@ def main(argv=None):
                   f"step {1e3 * ophases['train_step_s']:.1f} ms; per group / one apply "
                   f"{row['per_group_over_one_apply']:.2f} (step), "
                   f"{row['per_group_over_one_apply_train']:.2f} (train)", flush=True)
+        if "ab_per_group_step_s" in phases:
+            row["ab_per_group_over_one_apply_step"] = (phases["ab_per_group_step_s"]
+                                                       / phases["ab_one_apply_step_s"])
+            row["ab_per_group_over_one_apply_train"] = (phases["ab_per_group_train_s"]
+                                                        / phases["ab_one_apply_train_s"])
+            print(f"        interleaved A/B, {args.ab_rounds} rounds: step() per group "
+                  f"{1e3 * phases['ab_per_group_step_s']:.1f} vs one apply "
+                  f"{1e3 * phases['ab_one_apply_step_s']:.1f} ms "
+                  f"({row['ab_per_group_over_one_apply_step']:.2f}); train() "
+                  f"{1e3 * phases['ab_per_group_train_s']:.1f} vs "
+                  f"{1e3 * phases['ab_one_apply_train_s']:.1f} ms "
+                  f"({row['ab_per_group_over_one_apply_train']:.2f})", flush=True)
         rows.append(row)
         print(f"{mib:6.1f} MiB: memcpy {1e3 * row['memcpy_s']:.1f} ms, plain {1e3 * row['plain_s']:.1f} ms, "
               f"dsgd {1e3 * row['dsgd_s']:.1f} ms, exchange {1e3 * row['exchange_s']:.1f} ms "
