@@ -157,9 +157,11 @@ def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, comp
         ab = {}
         if ab_rounds and applied_per_group:
             # Interleaved A/B on the same actors: rounds of step() and train() with
-            # per-group apply on, then off (the driver reads the flag every step).
-            for _ in range(ab_rounds):
-                for flag, name in ((True, "per_group"), (False, "one_apply")):
+            # per-group apply on and off, in ABBA order (the driver reads the flag
+            # every step).
+            for r in range(ab_rounds):
+                order = ((True, "per_group"), (False, "one_apply"))
+                for flag, name in (order if r % 2 == 0 else order[::-1]):  # ABBA
                     constants.APPLY_PER_GROUP = flag
                     ab.setdefault(f"{name}_step_s", []).append(median_time(sgd.step, steps, 1))
                     ab.setdefault(f"{name}_train_s", []).append(

@@ -15,6 +15,9 @@ SHARD_GROUP_MAX_BYTES = None
 # store (Worker.apply_staged) instead of waiting for all of them, where the
 # optimizers allow it (replicas.per_group_blocker). False: one apply per step.
 APPLY_PER_GROUP = True
+# Seconds a worker waits for a PS mean beyond the driver's own deadline, so that a
+# late PS surfaces as the driver's StepTimeoutError.
+WORKER_WAIT_MARGIN_S = 5.0
 # One worker, train(): steps per actor call (Worker.local_steps). Ray's cost per
 # call is paid once per this many steps; the progress bar moves in such chunks.
 LOCAL_STEPS_PER_CALL = 8

@@ -60,6 +60,35 @@ def recover(sgd, error: BaseException) -> bool:
     return action.step_completed
 
 
+def replace_dead_ps(sgd, groups: list[int]) -> None:
+    """After a step (already counted) that the workers completed by computing
+    the means of shard `groups` themselves (their PS did not answer:
+    Worker.apply_staged): replace the dead PS actors now, as a recovered
+    failure, rather than fail the next step. A worker found dead too goes
+    through the general policy (its state copied from a survivor)."""
+    what = (f"step {sgd.steps_done}: the PS of shard group(s) {groups} did not answer; "
+            "the workers computed those means themselves")
+    probed, dead_ps = sgd.actors.probe(sgd.step_timeout_s)
+    if any(info is None for info in probed.values()):
+        recover(sgd, DsgdError(what))
+        return
+    if not dead_ps:
+        logger.warning("%s (no PS actor found dead)", what)
+        return
+    start = time.perf_counter()
+    reason = (f"PS actor(s) {', '.join(map(str, dead_ps))} died; the workers computed its "
+              "means: the step had been applied, not retried")
+    if len(sgd.failures) + 1 > sgd.max_failures:
+        raise DsgdError(f"step {sgd.steps_done}: {reason}; failure {len(sgd.failures) + 1} "
+                        f"exceeds max_failures={sgd.max_failures}")
+    logger.warning("%s: %s", what, reason)
+    for j in dead_ps:
+        sgd.actors.ps[j] = None
+    add_workers(sgd, [])
+    sgd.failures.append({"step": sgd.steps_done, "error": "ActorDiedError", "reason": reason,
+                         "recovery_s": time.perf_counter() - start})
+
+
 def add_workers(sgd, slots: list[int]) -> None:
     """Start workers for `slots` (replacements, or growth back with elastic=True)
     and any PS actor that is missing. Their state is copied by the caller."""

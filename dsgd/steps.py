@@ -102,8 +102,13 @@ class Step:
             # Every gradient is in the store by now: a worker applies group g while
             # the PS actors still sum the groups after it, and can compute a mean
             # itself if its PS dies (Worker.apply_staged).
-            self.apply_refs = [w.apply_staged.remote(sgd.shard_groups, mean_refs, grad_refs,
-                                                     self.time_left()) for w in workers]
+            # The workers wait a little past the driver, so that a late PS is the
+            # driver's StepTimeoutError, and once they have begun to apply a step,
+            # another step_timeout_s before they give up on it.
+            self.apply_refs = [w.apply_staged.remote(
+                sgd.shard_groups, mean_refs, grad_refs,
+                self.time_left() + constants.WORKER_WAIT_MARGIN_S, sgd.step_timeout_s)
+                for w in workers]
         else:
             self.apply_refs = [w.apply.remote(sgd.shard_groups, *mean_refs) for w in workers]
 
@@ -183,8 +188,6 @@ def run(sgd, feed, count: int | None):
                 continue
             infos, applied = None, [{"apply_s": 0.0}]
             ahead = None
-        else:
-            _replace_fallen_ps(sgd, applied)
         pending = ahead
         if infos is not None and infos[0].get("epoch_end"):
             yield infos, [], False
@@ -196,6 +199,9 @@ def run(sgd, feed, count: int | None):
             sgd.steps_done += 1
         _advance(feed, sgd, step_workers)  # the rows of the workers the step ran on
         done += 1
+        fallen = sorted({g for a in applied for g in a.get("ps_fallback", ())})
+        if fallen:  # counted first: the workers have applied it, whatever happens next
+            recovery.replace_dead_ps(sgd, fallen)
         yield infos, applied, skipped
 
 
@@ -257,6 +263,8 @@ def run_local(sgd, feed, count: int):
                 raise
             try:
                 infos = pending.finish()
+                if ahead is not None:
+                    ahead.start = time.perf_counter()  # its steps start now
             except Exception as e:
                 if ahead is not None and not isinstance(e, (*actor_died_errors(),
                                                             StepTimeoutError)):
@@ -266,7 +274,8 @@ def run_local(sgd, feed, count: int):
             if isinstance(e, StepTimeoutError):
                 if not sgd.replace_hung or not getattr(e, "late", None):
                     raise
-                logger.warning("%s: killing the hung worker to replace it (%s)", pending.label,
+                logger.warning("%s: killing the hung worker to replace it (%s)",
+                               pending.label if pending else f"step {sgd.steps_done + 1}",
                                recovery.first_line(e))
                 for handle in e.late:
                     sgd.actors.kill(handle)
@@ -320,27 +329,14 @@ def _count_quietly(chunk: LocalSteps, feed) -> None:
 
 def per_group(sgd) -> bool:
     """Whether steps apply each PS group's mean as it arrives: strategy "ps", more
-    than one group, optimizers that allow it (Replicas.per_group_blocker), and
-    not turned off (constants.APPLY_PER_GROUP)."""
+    than one group, optimizers that allow it (Replicas.per_group_blocker), every
+    worker on one node, and not turned off (constants.APPLY_PER_GROUP). One node:
+    a worker computes a dead PS's mean from the workers' gradient objects, which
+    outlive their processes there; a lost node takes its workers' objects with
+    it, and survivors that had begun to apply could neither finish nor undo."""
     return (constants.APPLY_PER_GROUP and sgd.strategy == "ps" and len(sgd.shard_groups) > 1
-            and getattr(sgd, "per_group_blocker", "unknown") is None)
-
-
-def _replace_fallen_ps(sgd, applied: list) -> None:
-    """After a step the workers completed by computing some group means
-    themselves (their PS died, Worker.apply_staged): replace the dead PS actors
-    now, as a recovered failure, instead of failing the next step."""
-    groups = sorted({g for a in applied for g in a.get("ps_fallback", ())})
-    if not groups:
-        return
-    error = DsgdError(f"step {sgd.steps_done + 1}: the PS of shard group(s) {groups} did not "
-                      "answer; the workers computed those means themselves")
-    try:
-        recovery.recover(sgd, error)
-    except DsgdError as e:
-        if e is not error:
-            raise
-        logger.warning("%s (no PS actor found dead)", error)
+            and getattr(sgd, "per_group_blocker", "unknown") is None
+            and len({info["node_id"] for info in sgd.worker_info}) == 1)
 
 
 def _advance(feed, sgd, num_workers: int) -> None:

@@ -143,7 +143,7 @@ class Worker:
                 # The steps before it were applied: report them, and the error.
                 e.add_note(f"(worker {self.worker_index}, step {len(infos) + 1} of a call of "
                            f"{len(datas)} local steps; the {len(infos)} before it were applied)")
-                infos.append({"error": e})
+                infos.append({"error": _picklable(e)})
                 break
             infos.append(info)
             if info.get("epoch_end"):
@@ -195,7 +195,7 @@ class Worker:
         return {"apply_s": time.perf_counter() - start}
 
     def apply_staged(self, groups: tuple[tuple[int, ...], ...], mean_refs: list,
-                     grad_refs: list, timeout_s: float) -> dict:
+                     grad_refs: list, timeout_s: float, then_s: float = 0.0) -> dict:
         """Apply the global mean gradient group by group, each group's variables as
         soon as its mean is in the store, so applying overlaps the PS summing the
         groups after it (Replicas.apply_stage keeps it exactly one update).
@@ -206,8 +206,10 @@ class Worker:
         exactly; the result's "ps_fallback" names such groups, for the driver to
         replace the PS. A worker that cannot finish a step it has begun to apply
         exits (its weights would be neither the step's nor the last): the driver
-        then recovers it like any dead worker. Waits at most `timeout_s` seconds.
-        The means are read-only object-store views, read during the call."""
+        then recovers it like any dead worker. Waits at most `timeout_s` seconds
+        for the means, `then_s` more once it has begun to apply (a late PS then
+        still lets the step complete). The means are read-only object-store
+        views, read during the call."""
         import ray
 
         from dsgd.param_server import mean_shard, split_group
@@ -222,6 +224,8 @@ class Worker:
         try:
             for k, group in enumerate(groups):
                 waited = time.perf_counter()
+                if begun:
+                    deadline, then_s = deadline + then_s, 0.0
                 try:
                     means = ray.get(mean_refs[k], timeout=max(0.001, deadline - waited))
                 except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
@@ -311,6 +315,20 @@ class Worker:
             [self.replicas.optimizer_variables(i) for i in range(len(self.replicas.replicas))], files)
         self.applied_steps = step
         return step
+
+
+def _picklable(error: Exception) -> Exception:
+    """`error` if it survives pickling, else a DsgdError carrying its traceback
+    (the steps reported with it must reach the driver either way)."""
+    import pickle
+    import traceback
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any failure to round-trip
+        text = "".join(traceback.format_exception(error))
+        return DsgdError(f"{type(error).__name__}: {error}\n{text}")
 
 
 def _rows(batch) -> int:

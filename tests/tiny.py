@@ -106,13 +106,13 @@ def reference_run(initial_weights, num_replicas: int, batch_size: int, steps: in
 
 
 class TwoOptimizerModel(TinyModel):
-    """The first layer trained by Adam with a schedule, the second by SGD with
-    momentum (get_variable_groups); both minimise the same loss."""
+    """The first layer trained by SGD with momentum, the second by Adam with a
+    schedule (get_variable_groups); both minimise the same loss."""
 
     def __init__(self, worker_index, device_index, devices_per_worker, batch_size):
         super().__init__(worker_index, device_index, devices_per_worker, batch_size,
                          "adam_schedule")
-        self.optimizers = [self.optimizer, make_optimizer("sgdm")]
+        self.optimizers = [make_optimizer("sgdm"), self.optimizer]
 
     def get_loss(self, batch):
         loss = mse(self.model, batch[0], batch[1])
