@@ -106,20 +106,23 @@ def test_train_with_a_step_in_flight_matches_single_process_training(workers, de
             np.testing.assert_array_equal(a, b)
 
 
-def test_one_worker_train_in_calls_of_several_steps_matches_single_process_training(monkeypatch):
-    """One worker, train(): steps run LOCAL_STEPS_PER_CALL per actor call, the next
-    call queued behind the current one (dsgd/steps.py run_local): 7 steps in calls
-    of 3, 3 and 1 are the 7 steps of one model."""
+@pytest.mark.parametrize("most,steps", [(3, 7), (None, 40)])
+def test_one_worker_train_in_calls_of_several_steps_matches_single_process_training(
+        most, steps, monkeypatch):
+    """One worker, train(): several steps per actor call, the next call queued
+    behind the current one (dsgd/steps.py run_local): 7 steps in calls of 3, 3
+    and 1, or 40 in calls of the default size, are the steps of one model."""
     from dsgd import constants
 
-    monkeypatch.setattr(constants, "LOCAL_STEPS_PER_CALL", 3)
+    if most is not None:
+        monkeypatch.setattr(constants, "LOCAL_STEPS_PER_CALL", most)
     with dsgd.DistributedSGD(tiny.creator(2, BATCH, "adam"), 1, 2, gpu=False) as sgd:
         initial = sgd.get_weights()
-        summary = sgd.train(num_steps=7)
-        assert summary["steps"] == 7 and sgd.steps_done == 7
-        assert summary["step_s"] > 0 and summary["num_samples"] == 7 * 2 * BATCH
+        summary = sgd.train(num_steps=steps)
+        assert summary["steps"] == steps and sgd.steps_done == steps
+        assert summary["step_s"] > 0 and summary["num_samples"] == steps * 2 * BATCH
         final = sgd.get_weights()
-    expected, losses = tiny.reference_run(initial, 2, BATCH, 7, "adam")
+    expected, losses = tiny.reference_run(initial, 2, BATCH, steps, "adam")
     for got, want in zip(final, expected):
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
     assert summary["loss"] == pytest.approx(float(np.mean(losses)), abs=TOL)
