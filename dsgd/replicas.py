@@ -156,12 +156,8 @@ class Replicas:
         if len(shards) != self.plan.num_shards:
             raise DsgdError(f"worker {self.worker_index}: got {len(shards)} shards, "
                             f"the plan has {self.plan.num_shards}")
-        for j, (array, shard) in enumerate(zip(shards, self.plan.shards)):
-            if not isinstance(array, np.ndarray) or array.dtype != shard.wire_numpy_dtype \
-                    or array.ndim != 1 or not array.flags.c_contiguous:
-                raise DsgdError(f"worker {self.worker_index}: shard {j} must be a 1-D contiguous "
-                                f"{shard.wire_numpy_dtype} array, got "
-                                f"{getattr(array, 'dtype', type(array))}{getattr(array, 'shape', '')}")
+        for j, array in enumerate(shards):
+            self._check_shard(j, array)
         addresses = tf.constant([ops.buffer_address(a) for a in shards], tf.int64)
         byte_sizes = tf.constant([a.nbytes for a in shards], tf.int64)
         self._apply_fn(addresses, byte_sizes)
@@ -183,19 +179,27 @@ class Replicas:
         if not stage.var_ids:
             return False
         for j in stage.shard_ids:
-            array, shard = shards.get(j), self.plan.shards[j]
-            if not isinstance(array, np.ndarray) or array.dtype != shard.wire_numpy_dtype \
-                    or array.shape != (shard.num_elements,) or not array.flags.c_contiguous:
-                raise DsgdError(f"worker {self.worker_index}: shard {j} must be a 1-D contiguous "
-                                f"{shard.wire_numpy_dtype} array of {shard.num_elements} elements, "
-                                f"got {getattr(array, 'dtype', type(array))}"
-                                f"{getattr(array, 'shape', '')}")
+            self._check_shard(j, shards.get(j), whole=True)
         addresses = [0] * self.plan.num_shards
         byte_sizes = [0] * self.plan.num_shards
         for j in stage.shard_ids:
             addresses[j], byte_sizes[j] = ops.buffer_address(shards[j]), shards[j].nbytes
         stage.fn(tf.constant(addresses, tf.int64), tf.constant(byte_sizes, tf.int64))
         return True
+
+    def _check_shard(self, j: int, array, whole: bool = False) -> None:
+        """DsgdError unless `array` can be read as shard j: a 1-D C-contiguous
+        numpy array of the shard's wire dtype (with `whole`, of its exact size)."""
+        shard = self.plan.shards[j]
+        size = (shard.num_elements,) if whole else None
+        if not isinstance(array, np.ndarray) or array.dtype != shard.wire_numpy_dtype \
+                or array.ndim != 1 or not array.flags.c_contiguous \
+                or (size is not None and array.shape != size):
+            raise DsgdError(f"worker {self.worker_index}: shard {j} must be a 1-D contiguous "
+                            f"{shard.wire_numpy_dtype} array"
+                            + (f" of {shard.num_elements} elements" if whole else "")
+                            + f", got {getattr(array, 'dtype', type(array))}"
+                            f"{getattr(array, 'shape', '')}")
 
     def _stages_of(self, groups) -> list["_Stage"]:
         import tensorflow as tf
