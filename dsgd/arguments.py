@@ -3,11 +3,15 @@ requests the cluster can never hold fail before any actor starts."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from dsgd import constants
 from dsgd.allreduce import check_algorithm
 from dsgd.errors import ResourceError
+
+logger = logging.getLogger("dsgd")
 
 
 def check_args(model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
@@ -82,7 +86,9 @@ def check_resources(num_workers: int, devices_per_worker: int, gpu: bool, num_cp
 
 def check_store(plan, num_workers: int) -> None:
     """Fail fast when the object store cannot hold one step's objects: every
-    worker's gradient shards plus the mean shards are alive at once."""
+    worker's gradient shards plus the mean shards are alive at once. Warn when
+    it cannot hold two overlapping steps' (train() with the next step in
+    flight: up to 2 x num_workers + 1 such sets), which Ray then spills."""
     import ray
 
     if num_workers == 1:
@@ -93,6 +99,14 @@ def check_store(plan, num_workers: int) -> None:
     have = sum(stores) or ray.cluster_resources().get("object_store_memory", 0)
     largest = max(s.nbytes for s in plan.shards)
     if need <= have and largest <= min(stores or [have]):
+        peak = (2 * num_workers + 1) * grad_bytes
+        if peak > have:  # fits one step, not two overlapping ones: works, spills
+            logger.warning(
+                "the object store (%.1f MB) holds one step's %d x %.1f MB of gradient shards but "
+                "not the %d x that train() can have alive while the next step is in flight "
+                "(its gradients, this step's and its means): Ray will spill to disk, which is "
+                "slower. object_store_memory >= %d bytes avoids it.", have / 1e6,
+                num_workers + 1, grad_bytes / 1e6, 2 * num_workers + 1, int(peak * 1.2))
         return
     raise ResourceError(
         f"the object store is too small: one step with {num_workers} workers holds "

@@ -36,6 +36,7 @@ class Status:
     elastic: bool
     placeable_workers: int         # new workers the cluster can place right now
     has_checkpoint: bool           # a checkpoint to fall back on if no worker survives
+    between_steps: bool = False    # found after step `steps_done` was counted: none interrupted
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,13 @@ def decide(status: Status) -> Action:
                              f"driver completed {status.steps_done}; cannot tell which step to retry")
     sync = [w.slot for w in survivors if w.applied_steps != target]
     completed = target == status.steps_done + 1
-    reason = (f"{what}; {'the step had been applied: not retried' if completed else 'retrying the step'}"
+    if status.between_steps and completed:
+        steps = {w.slot: w.applied_steps for w in survivors}
+        return Action(False, f"{what} between steps, but surviving workers have applied {steps} "
+                             f"steps and the driver counted {status.steps_done}")
+    outcome = ("found between steps: no step to retry" if status.between_steps
+               else "the step had been applied: not retried" if completed else "retrying the step")
+    reason = (f"{what}; {outcome}"
               + (f"; continuing without worker(s) {', '.join(map(str, drop))}" if drop else ""))
     return Action(True, reason, replace, drop, list(status.dead_ps), source.slot, sync, completed)
 

@@ -20,10 +20,12 @@ from dsgd.errors import DsgdError
 logger = logging.getLogger("dsgd")
 
 
-def recover(sgd, error: BaseException) -> bool:
+def recover(sgd, error: BaseException, between_steps: bool = False) -> bool:
     """Carry out what failures.decide says after `error`. Returns True if the
     interrupted step had been applied (do not retry it). Raises if the policy
-    says the error is not recoverable."""
+    says the error is not recoverable. between_steps: the failure was found
+    after step `steps_done` was counted, with no step under way (logged and
+    recorded as that step's, nothing to retry)."""
     start = time.perf_counter()
     probed, dead_ps = sgd.actors.probe(sgd.step_timeout_s)
     workers = [failures.WorkerStatus(slot, info is not None,
@@ -38,12 +40,13 @@ def recover(sgd, error: BaseException) -> bool:
     placeable = placeable_workers(sgd.actors.worker_options, len(dead)) if dead else 0
     action = failures.decide(failures.Status(
         workers, dead_ps, sgd.steps_done, len(sgd.failures) + 1, sgd.max_failures,
-        sgd.elastic, placeable, sgd._last_checkpoint is not None))
+        sgd.elastic, placeable, sgd._last_checkpoint is not None, between_steps))
+    step = sgd.steps_done + (0 if between_steps else 1)  # the step it is reported under
     if not action.recover:
         if not dead and not dead_ps:
             raise error
-        raise DsgdError(f"step {sgd.steps_done + 1}: {action.reason}") from error
-    logger.warning("step %d: %s (%s: %s)", sgd.steps_done + 1, action.reason,
+        raise DsgdError(f"step {step}: {action.reason}") from error
+    logger.warning("step %d: %s (%s: %s)", step, action.reason,
                    type(error).__name__, first_line(error))
     add_workers(sgd, action.replace_workers)
     if action.state_source is not None:
@@ -54,7 +57,7 @@ def recover(sgd, error: BaseException) -> bool:
         logger.warning("elastic: continuing with %d worker(s); global batch is now %d "
                        "replica batches", sgd.num_workers, sgd.num_workers * sgd.devices_per_worker)
     _workers_changed(sgd, action.replace_workers)
-    sgd.failures.append({"step": sgd.steps_done + 1, "error": type(error).__name__,
+    sgd.failures.append({"step": step, "error": type(error).__name__,
                          "reason": action.reason, "recovery_s": time.perf_counter() - start})
     logger.warning("recovered in %.1f s", sgd.failures[-1]["recovery_s"])
     return action.step_completed
@@ -70,7 +73,7 @@ def replace_dead_ps(sgd, groups: list[int]) -> None:
             "the workers computed those means themselves")
     probed, dead_ps = sgd.actors.probe(sgd.step_timeout_s)
     if any(info is None for info in probed.values()):
-        recover(sgd, DsgdError(what))
+        recover(sgd, DsgdError(what), between_steps=True)
         return
     if not dead_ps:
         logger.warning("%s (no PS actor found dead)", what)

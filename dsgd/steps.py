@@ -322,6 +322,10 @@ def _count_quietly(chunk: LocalSteps, feed) -> None:
             continue
         if info["applied"]:
             sgd.steps_done += 1
+            if not all(info["finite"]):  # its NonFiniteError would hide the caller's
+                logger.warning("step %d: non-finite gradient on replica(s) %s, applied "
+                               "(reported here: another error is being raised)", sgd.steps_done,
+                               [i for i, f in enumerate(info["finite"]) if not f])
         else:
             sgd.skipped_steps += 1
         _advance(feed, sgd, 1)

@@ -1,5 +1,8 @@
 """Bad arguments and bad models: clear errors, raised early, naming the culprit."""
 
+import logging
+import types
+
 import numpy as np
 import pytest
 import ray
@@ -162,14 +165,42 @@ def test_nonfinite_gradient_skipped(workers, devices):
 
 @pytest.mark.cluster
 @pytest.mark.usefixtures("ray_local")
-def test_object_store_too_small_is_named():
+def test_object_store_too_small_is_named(caplog):
     # The check DistributedSGD runs once the workers have reported their variables,
     # before any step: here for 128 MiB of gradients, 2 workers, the test cluster's store.
     plan = plan_shards([(8192, 4096)], ["float32"], 50_000_000)
     with pytest.raises(dsgd.ResourceError, match=r"object store is too small: one step with 2 "
                        r"workers holds 3 x 134.2 MB.*object_store_memory is 268.4 MB"):
         check_store(plan, 2)
-    check_store(plan_shards([(1024, 1024)], ["float32"], 50_000_000), 2)  # 3 x 4 MiB fits
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    check_store(plan_shards([(1024, 1024)], ["float32"], 50_000_000), 2)  # 5 x 4 MiB fits
+    assert "spill" not in caplog.text
+    # 3 x 67 MB fits one step, not the 5 x 67 MB of two overlapping ones: a warning.
+    check_store(plan_shards([(4096, 4096)], ["float32"], 50_000_000), 2)
+    assert "holds one step's 3 x 67.1 MB" in caplog.text and "not the 5 x" in caplog.text
+
+
+def test_count_quietly_reports_an_applied_nonfinite_step(caplog):
+    """A call of local steps whose outcome no one reads (another error is being
+    raised) is still counted; an applied NaN step in it is logged, not lost."""
+    from dsgd import steps
+
+    sgd = types.SimpleNamespace(steps_done=4, skipped_steps=0)
+
+    class Chunk:  # an in-process stand-in for steps.LocalSteps
+        def __init__(self):
+            self.sgd = sgd
+
+        def finish(self):
+            return [{"applied": True, "finite": [True, True]},
+                    {"applied": True, "finite": [True, False]},
+                    {"applied": False, "finite": [False, False]}]
+
+    caplog.set_level(logging.WARNING, logger="dsgd")
+    steps._count_quietly(Chunk(), None)
+    assert sgd.steps_done == 6 and sgd.skipped_steps == 1
+    assert "step 6: non-finite gradient on replica(s) [1], applied" in caplog.text
+    assert "step 5" not in caplog.text
 
 
 class WideReplica(tiny.TinyModel):

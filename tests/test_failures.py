@@ -4,9 +4,9 @@ from dsgd.failures import Status, WorkerStatus, decide
 
 
 def status(workers, dead_ps=(), steps_done=5, failures=1, max_failures=3, elastic=False,
-           placeable=8, checkpoint=False):
+           placeable=8, checkpoint=False, between_steps=False):
     return Status([WorkerStatus(s, a, n) for s, a, n in workers], list(dead_ps), steps_done,
-                  failures, max_failures, elastic, placeable, checkpoint)
+                  failures, max_failures, elastic, placeable, checkpoint, between_steps)
 
 
 def test_no_death_is_not_recovered():
@@ -34,6 +34,20 @@ def test_dead_ps_only_is_replaced_and_the_step_retried():
     action = decide(status([(0, True, 5), (1, True, 5)], dead_ps=[1]))
     assert action.recover and action.replace_ps == [1] and action.replace_workers == []
     assert not action.step_completed
+
+
+def test_death_found_between_steps_retries_nothing():
+    # recovery.replace_dead_ps: the step was counted, then a worker was found dead.
+    action = decide(status([(0, True, 5), (1, False, None)], dead_ps=[0], between_steps=True))
+    assert action.recover and not action.step_completed
+    assert action.state_source == 0 and action.replace_workers == [1] and action.replace_ps == [0]
+    assert "no step to retry" in action.reason and "retrying" not in action.reason
+
+
+def test_survivor_ahead_between_steps_is_not_recovered():
+    action = decide(status([(0, True, 6), (1, False, None)], between_steps=True))
+    assert not action.recover and "between steps" in action.reason
+    assert "{0: 6}" in action.reason and "counted 5" in action.reason
 
 
 def test_max_failures():
