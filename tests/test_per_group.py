@@ -5,6 +5,7 @@ learning-rate schedules, Adam's bias correction and several optimizers."""
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -158,3 +159,50 @@ def test_per_group_blocker_names_what_needs_every_gradient():
     assert "MyAdam" in per_group_blocker([MyAdam()])
     # One optimizer that cannot be split stops the whole step from being split.
     assert "Nadam" in per_group_blocker([keras.optimizers.SGD(), keras.optimizers.Nadam()])
+
+
+@ray.remote(num_cpus=0)
+class _Gone:
+    def value(self):
+        return None
+
+
+def test_a_worker_that_cannot_finish_a_partly_applied_step_exits(monkeypatch):
+    """Worker.apply_staged's rule when a group's mean can be neither read nor
+    computed (its PS and the gradients both gone): having applied nothing it
+    raises and lives on, its step count unchanged; having applied an earlier
+    group it exits, since its weights would be neither the step's nor the last
+    (the driver then recovers it as a dead worker)."""
+    monkeypatch.setattr(constants, "APPLY_PER_GROUP", True)
+    gone = _Gone.remote()
+    ray.get(gone.value.remote(), timeout=60)
+    ray.kill(gone)
+    with make(keyed) as sgd:
+        sgd.step()
+        assert steps.per_group(sgd)
+        groups = tuple(tuple(g) for g in sgd.shard_groups)
+        assert len(groups) == 2
+        worker = sgd.workers[0]
+        before = sgd.get_weights()
+        zeros = [ray.put(tuple(np.zeros(sgd.plan.shards[j].num_elements,
+                                        sgd.plan.shards[j].wire_numpy_dtype) for j in g))
+                 for g in groups]
+        lost = [[gone.value.remote() for _ in sgd.workers] for _ in groups]
+
+        # Group 0 already fails: nothing applied, the error comes back, the worker lives.
+        with pytest.raises(ray.exceptions.RayError):
+            ray.get(worker.apply_staged.remote(groups, [gone.value.remote()] * 2, lost, 30.0),
+                    timeout=120)
+        assert ray.get(worker.ping.remote(), timeout=60)["applied_steps"] == 1
+        np.testing.assert_array_equal(ray.get(worker.get_weights.remote(), timeout=60)[0],
+                                      before[0])
+
+        # Group 0 applied (a zero mean), then group 1 fails: the worker exits.
+        pid = ray.get(worker.ping.remote(), timeout=60)["pid"]
+        with pytest.raises(ray.exceptions.ActorDiedError):
+            ray.get(worker.apply_staged.remote(groups, [zeros[0], gone.value.remote()], lost, 30.0),
+                    timeout=120)
+        with pytest.raises(ProcessLookupError):
+            for _ in range(100):  # the process is gone (give the OS a moment to reap it)
+                os.kill(pid, 0)
+                time.sleep(0.1)
