@@ -6,6 +6,12 @@ same machine state; medians over all rounds. Each round also times one
 against as many plain steps: the median over rounds of their mean step times.
 
     python benchmarks/overhead.py [--models resnet50_64 mnist_cnn] [--rounds 15] [--per-round 4]
+                                  [--in-actor]
+
+--in-actor then splits the cost inside one actor, without Ray calls: plain steps
+against `Worker.local_steps` (what train() runs per call) with on_nonfinite
+"raise", "ignore" and "skip", interleaved ABBA: the step and its non-finite
+check apart from Ray's per-call cost (train() minus in-actor).
 
 Writes benchmarks/results/overhead.json. dsgd runs with its defaults
 (on_nonfinite="raise": the non-finite check runs alongside the update), except
@@ -36,6 +42,7 @@ import dsgd  # noqa: E402
 from dsgd import constants  # noqa: E402
 from dsgd.examples import mnist  # noqa: E402
 from comm import proc_stat, raylet_pid  # noqa: E402
+import step_time  # noqa: E402
 from step_time import plain_step  # noqa: E402
 
 
@@ -69,6 +76,70 @@ def timed(fn, n: int) -> list[float]:
     return times
 
 
+def in_actor(creator, driver_plain, rounds: int, steps: int, cpus: int) -> dict:
+    """Inside ONE Ray actor (every CPU, niceness 0, as dsgd's worker): blocks of
+    `steps` plain tf.function steps and of `Worker.local_steps` (what one
+    worker's train() runs per actor call, without Ray's per-call cost) with
+    each on_nonfinite, interleaved in ABBA order; the median over rounds of
+    each's mean step time. Splits the one-worker cost into the step itself, the
+    non-finite check, and (by difference with train()) the calls. The same
+    plain step in this process (`driver_plain`, the main comparison's baseline)
+    joins the rounds: what running inside an actor costs by itself."""
+    import ray
+
+    from dsgd.sharding import whole_plan
+    from dsgd.worker import Worker
+
+    modes = ("raise", "ignore", "skip")
+
+    @ray.remote(num_cpus=cpus, runtime_env=constants.ACTOR_RUNTIME_ENV)
+    class Probe:
+        def __init__(self):
+            self.workers = {}
+            for mode in modes:
+                worker = Worker(creator, 0, 1, False, "auto")
+                info = worker.setup()
+                worker.configure(whole_plan(info["shapes"], info["dtypes"]), mode)
+                self.workers[mode] = worker
+            self.plain = plain_step(creator(0, 0))
+            self.runs = 0
+
+        def time(self, what: str, n: int) -> float:
+            start = time.perf_counter()
+            if what == "plain":
+                for _ in range(n):
+                    self.plain()
+            else:
+                self.runs += 1
+                infos = self.workers[what].local_steps([None] * n, self.runs)
+                assert len(infos) == n, infos
+            return (time.perf_counter() - start) / n
+
+    probe = Probe.remote()
+    try:
+        order = ("plain",) + modes + ("driver_plain",)
+
+        def block(what: str, n: int) -> float:
+            if what == "driver_plain":
+                return sum(timed(driver_plain, n)) / n
+            return ray.get(probe.time.remote(what, n), timeout=600)
+
+        for what in order:  # warm-up: traces, first-step costs
+            block(what, 3)
+        times = {what: [] for what in order}
+        for r in range(rounds):
+            for what in (order if r % 2 == 0 else order[::-1]):
+                times[what].append(block(what, steps))
+    finally:
+        ray.kill(probe)
+    med = {what: statistics.median(v) for what, v in times.items()}
+    return {"steps_per_block": steps, "rounds": rounds,
+            **{f"median_{what}_s": v for what, v in med.items()},
+            **{f"ratio_{mode}": med[mode] / med["plain"] for mode in modes},
+            "ratio_actor_plain_over_driver_plain": med["plain"] / med["driver_plain"],
+            "ratio_raise_over_driver_plain": med["raise"] / med["driver_plain"]}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", choices=sorted(CREATORS), default=["resnet50_64", "mnist_cnn"])
@@ -81,6 +152,9 @@ def main(argv=None):
     p.add_argument("--compare-one-step-per-call", action="store_true",
                    help="each round also times train() with one step per actor call "
                         "(constants.LOCAL_STEPS_PER_CALL = 1)")
+    p.add_argument("--in-actor", action="store_true",
+                   help="then, per model, the same split inside one actor: plain steps vs "
+                        "Worker.local_steps with on_nonfinite raise/ignore/skip (no Ray calls)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "overhead.json"))
     args = p.parse_args(argv)
     import ray
@@ -88,6 +162,7 @@ def main(argv=None):
     cpus = os.cpu_count() or 1
     ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     ray.cloudpickle.register_pickle_by_value(common)
+    ray.cloudpickle.register_pickle_by_value(step_time)  # plain_step, inside --in-actor's actor
     rows = []
     for name in args.models:
         creator = CREATORS[name]
@@ -132,6 +207,8 @@ def main(argv=None):
             row["median_dsgd_train_1_per_call_round_mean_s"] = statistics.median(round_train_1)
             row["ratio_train_1_per_call"] = (row["median_dsgd_train_1_per_call_round_mean_s"]
                                              / row["median_plain_round_mean_s"])
+        if args.in_actor:  # dsgd's worker is gone: the probe gets its CPUs
+            row["in_actor"] = in_actor(creator, plain, args.rounds, args.train_steps, cpus)
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"benchmark": "overhead", "machine": f"{platform.machine()}, {os.cpu_count()} cores",
