@@ -24,8 +24,9 @@ def recover(sgd, error: BaseException, between_steps: bool = False) -> bool:
     """Carry out what failures.decide says after `error`. Returns True if the
     interrupted step had been applied (do not retry it). Raises if the policy
     says the error is not recoverable. between_steps: the failure was found
-    after step `steps_done` was counted, with no step under way (logged and
-    recorded as that step's, nothing to retry)."""
+    after step `steps_done` was counted and before the next step's applies
+    (logged and recorded as step `steps_done`'s, nothing to retry; a step
+    already submitted to workers that were replaced must be submitted again)."""
     start = time.perf_counter()
     probed, dead_ps = sgd.actors.probe(sgd.step_timeout_s)
     workers = [failures.WorkerStatus(slot, info is not None,

@@ -201,7 +201,12 @@ def run(sgd, feed, count: int | None):
         done += 1
         fallen = sorted({g for a in applied for g in a.get("ps_fallback", ())})
         if fallen:  # counted first: the workers have applied it, whatever happens next
+            workers = list(sgd.workers)
             recovery.replace_dead_ps(sgd, fallen)
+            if pending is not None and list(sgd.workers) != workers:
+                # A worker was found dead too and replaced (or a checkpoint restored):
+                # the step submitted ahead went to the old workers; submit it again.
+                pending = None
         yield infos, applied, skipped
 
 

@@ -268,7 +268,7 @@ class Trainer:
                 refs = [w.run.remote(fn, source, *args) for w, source in zip(workers, sources())]
                 return self.sgd._wait(refs, workers, "validating", timeout_s)
             except actor_died_errors() as e:
-                recovery.recover(self.sgd, e)
+                recovery.recover(self.sgd, e, between_steps=True)  # no step under way
 
     def _resend_info(self) -> None:
         info = self._info
