@@ -17,7 +17,8 @@ For each gradient size S (MiB per worker), one run measures, as per-step medians
                workers' own compute and update cost when they share the machine
                (on 2 cores with 2 workers, each gets one core: exchange_s counts that too)
 and, for the dsgd run, CPU ms and minor page faults per step of every process
-(workers, PS actors, raylet, driver) from /proc: where the time goes.
+(workers, PS actors, raylet, driver) from /proc: where the time goes; for the
+floor, CPU ms per step of its processes (cpu_ms_per_step_total compares them).
 The model is compute-light (gradient = a constant fill, SGD update) so the exchange shows.
 Writes JSON to benchmarks/results/comm.json and a PNG chart beside it.
 """
@@ -213,7 +214,8 @@ def shared_plain_s(mib, workers, steps, warmup, num_variables):
 
 
 def peer_s(mib, workers, num_ps, steps, warmup):
-    """Plain Ray, numpy only: the exchange a user would hand-write."""
+    """Plain Ray, numpy only: the exchange a user would hand-write. Returns
+    (median step time, CPU ms per step of every process over the timed steps)."""
     import ray
 
     @ray.remote(num_cpus=0)
@@ -229,6 +231,9 @@ def peer_s(mib, workers, num_ps, steps, warmup):
             for part, mean in zip(self.parts, means):  # stands in for the optimizer's read
                 np.copyto(part, mean)
 
+        def pid(self):
+            return os.getpid()
+
     @ray.remote(num_cpus=0)
     class PeerPS:
         def mean(self, *parts):
@@ -237,6 +242,9 @@ def peer_s(mib, workers, num_ps, steps, warmup):
                 out += p
             out *= np.float32(1.0 / len(parts))
             return out
+
+        def pid(self):
+            return os.getpid()
 
     ws = [PeerWorker.remote() for _ in range(workers)]
     ps = [PeerPS.remote() for _ in range(num_ps)]
@@ -248,7 +256,16 @@ def peer_s(mib, workers, num_ps, steps, warmup):
         ray.get([w.apply.remote(*means) for w in ws], timeout=120)
 
     try:
-        return median_time(step, steps, warmup)
+        for _ in range(warmup):
+            step()
+        pids = {f"worker{i}": ray.get(w.pid.remote(), timeout=60) for i, w in enumerate(ws)}
+        pids.update({f"ps{j}": ray.get(p.pid.remote(), timeout=60) for j, p in enumerate(ps)})
+        pids.update(raylet=raylet_pid(), driver=os.getpid())
+        pids = {k: v for k, v in pids.items() if v is not None}
+        before = {k: proc_stat(pid)[0] for k, pid in pids.items()}
+        median = median_time(step, steps, 0)
+        cpu_ms = {k: 1e3 * (proc_stat(pid)[0] - before[k]) / steps for k, pid in pids.items()}
+        return median, cpu_ms
     finally:
         for a in ws + ps:
             ray.kill(a)
@@ -313,7 +330,8 @@ def main(argv=None):
         phases = dsgd_s(mib, args.workers, args.ps, args.steps, args.warmup, int(args.shard_mb * 1e6),
                         args.variables, ab_rounds=args.ab_rounds)
         row.update(dsgd_s=phases["step_s"], dsgd_phases=phases)
-        row["peer_s"] = peer_s(mib, args.workers, args.ps, args.steps, args.warmup)
+        row["peer_s"], row["peer_cpu_ms_per_step"] = peer_s(mib, args.workers, args.ps, args.steps,
+                                                            args.warmup)
         row["shared_plain_s"] = shared_plain_s(mib, args.workers, args.steps, args.warmup,
                                                args.variables)
         row["bound_s"] = 2 * row["memcpy_s"]
@@ -322,6 +340,12 @@ def main(argv=None):
         row["peer_over_exchange"] = row["peer_s"] / row["exchange_s"]
         # The peer is the floor to beat: a whole dsgd step against the hand-written exchange.
         row["dsgd_over_floor"] = row["dsgd_s"] / row["peer_s"]
+        # On a machine whose cores the processes fill, wall time follows total CPU.
+        row["cpu_ms_per_step_total"] = {"dsgd": sum(phases["cpu_ms_per_step"].values()),
+                                        "floor": sum(row["peer_cpu_ms_per_step"].values())}
+        print(f"{mib:6.1f} MiB: CPU ms per step, all processes: dsgd "
+              f"{row['cpu_ms_per_step_total']['dsgd']:.0f} {phases['cpu_ms_per_step']}, floor "
+              f"{row['cpu_ms_per_step_total']['floor']:.0f} {row['peer_cpu_ms_per_step']}", flush=True)
         row["dsgd_train_s"] = phases["train_step_s"]
         row["dsgd_train_over_floor"] = row["dsgd_train_s"] / row["peer_s"]
         for compression in args.compression:
