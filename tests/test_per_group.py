@@ -174,6 +174,7 @@ def test_a_worker_that_cannot_finish_a_partly_applied_step_exits(monkeypatch):
     group it exits, since its weights would be neither the step's nor the last
     (the driver then recovers it as a dead worker)."""
     monkeypatch.setattr(constants, "APPLY_PER_GROUP", True)
+    start = dsgd.store.settled_usage()
     gone = _Gone.remote()
     ray.get(gone.value.remote(), timeout=60)
     ray.kill(gone)
@@ -220,6 +221,11 @@ def test_a_worker_that_cannot_finish_a_partly_applied_step_exits(monkeypatch):
             time.sleep(0.1)
         else:
             pytest.fail(f"worker process {pid} still runs")
+    # The means put here were lent to the worker that exited: wait for Ray to free
+    # them, so that later tests' store counts start clean.
+    del zeros
+    left = dsgd.store.drained_usage(baseline=start)
+    assert left["num_objects"] <= start["num_objects"], (left, start)
 
 
 def test_a_worker_found_dead_after_a_ps_fallback_resubmits_the_step_ahead(monkeypatch):

@@ -43,7 +43,10 @@ def test_object_store_stats_count_a_stored_object():
     assert during["num_objects"] >= before["num_objects"] + 1
     assert during["bytes_used"] >= before["bytes_used"] + 2**20
     del ref
-    assert dsgd.store.drained_usage(baseline=before) == before
+    after = dsgd.store.drained_usage(baseline=before)
+    # Ours is gone; objects of earlier tests that Ray frees meanwhile may be too.
+    assert after["num_objects"] <= before["num_objects"]
+    assert after["bytes_used"] < before["bytes_used"] + 2**20
 
 
 def test_a_missing_private_call_is_a_loud_error_naming_it(monkeypatch):
