@@ -103,6 +103,14 @@ def keyed(w, d):
     return tiny.StepKeyedModel(w, d, 1, BATCH)
 
 
+def assert_as_uninterrupted(final, replicas, uninterrupted) -> None:
+    """Bit for bit: the weights of the uninterrupted run, the same on every replica."""
+    for got, want in zip(final, uninterrupted, strict=True):
+        np.testing.assert_array_equal(got, want)
+    for a, b in zip(*replicas):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("last_group", [True, False])
 def test_a_ps_dead_mid_step_the_workers_compute_its_mean(last_group, monkeypatch):
     """A PS is dead when step 3 starts (train(), step 4 in flight): the workers
@@ -133,10 +141,7 @@ def test_a_ps_dead_mid_step_the_workers_compute_its_mean(last_group, monkeypatch
         assert applied == [4, 4]
         final = sgd.get_weights()
         replicas = sgd.foreach_model(lambda m: m.get_weights())
-    for got, want in zip(final, uninterrupted):
-        np.testing.assert_array_equal(got, want)
-    for a, b in zip(*replicas):
-        np.testing.assert_array_equal(a, b)
+    assert_as_uninterrupted(final, replicas, uninterrupted)
 
 
 def test_per_group_blocker_names_what_needs_every_gradient():
@@ -270,7 +275,4 @@ def test_a_worker_found_dead_after_a_ps_fallback_resubmits_the_step_ahead(monkey
         assert [ray.get(w.ping.remote(), timeout=60)["applied_steps"] for w in sgd.workers] == [5, 5]
         final = sgd.get_weights()
         replicas = sgd.foreach_model(lambda m: m.get_weights())
-    for got, want in zip(final, uninterrupted):
-        np.testing.assert_array_equal(got, want)
-    for a, b in zip(*replicas):
-        np.testing.assert_array_equal(a, b)
+    assert_as_uninterrupted(final, replicas, uninterrupted)
