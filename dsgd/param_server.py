@@ -55,6 +55,13 @@ class ParameterServer:
 _HALF_FORMATS = {"float16": "f16", "bfloat16": "bf16"}
 
 
+def group_means(shards, worker_groups) -> tuple:
+    """The mean over workers of each shard of a group, as new arrays: what a PS's
+    `mean` returns, computed where no PS is (strategy "simple", a fallen PS,
+    the Ray Train exchange). `worker_groups` as `ParameterServer.mean` takes them."""
+    return tuple(mean_shard(s, p) for s, p in zip(shards, split_group(shards, worker_groups)))
+
+
 def split_group(shards, worker_groups) -> list[list[tuple]]:
     """For each shard of a group, every worker's tuple of its pieces."""
     counts = [len(s.pieces) for s in shards]

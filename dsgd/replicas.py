@@ -218,18 +218,8 @@ class Replicas:
         return self._stages[groups]
 
     def _apply_stage_graph(self, var_ids, holds, addresses, byte_sizes):
-        import tensorflow as tf
-
         grads = ops.read_shards(addresses, byte_sizes, self.plan, var_ids)
-        chosen = set(var_ids)
-        for i, (optimizers, variables) in enumerate(zip(self.optimizers, self.variables)):
-            with tf.device(self.devices[i]):
-                for o, (optimizer, group) in enumerate(zip(optimizers, self.group_indices[i])):
-                    pairs = [(grads[k], variables[k]) for k in group if k in chosen]
-                    if pairs:
-                        optimizer.apply_gradients(pairs)
-                        if holds[o]:  # more of its variables come in a later stage
-                            optimizer.iterations.assign_sub(1)
+        self._apply_means([grads] * len(self.replicas), var_ids, holds)
 
     def optimizer_variables(self, i: int) -> list:
         """Every optimizer variable of replica `i` (iterations, slots), optimizer by optimizer."""
@@ -266,13 +256,22 @@ class Replicas:
         stacked = {n: tf.stack([m[n] for m in metrics]) for n in names}
         return tf.stack(losses), tf.stack(finite), means, flags, stacked
 
-    def _apply_means(self, means) -> None:
+    def _apply_means(self, means, var_ids=None, holds=None) -> None:
+        """Apply means[i][k] to variable k of replica i: every variable, or only
+        `var_ids` (a stage of apply_stage), after which optimizer o's iteration
+        count is set back where holds[o] (more of its variables come later)."""
         import tensorflow as tf
 
+        chosen = None if var_ids is None else set(var_ids)
         for i, (optimizers, variables) in enumerate(zip(self.optimizers, self.variables)):
             with tf.device(self.devices[i]):
-                for optimizer, group in zip(optimizers, self.group_indices[i]):
-                    optimizer.apply_gradients([(means[i][k], variables[k]) for k in group])
+                for o, (optimizer, group) in enumerate(zip(optimizers, self.group_indices[i])):
+                    pairs = [(means[i][k], variables[k]) for k in group
+                             if chosen is None or k in chosen]
+                    if pairs:
+                        optimizer.apply_gradients(pairs)
+                        if holds is not None and holds[o]:
+                            optimizer.iterations.assign_sub(1)
 
     def _local_step_graph(self, batches):
         import tensorflow as tf

@@ -34,7 +34,7 @@ import time
 from dsgd import constants, recovery
 from dsgd.actors import actor_died_errors
 from dsgd.errors import DsgdError, NonFiniteError, StepTimeoutError
-from dsgd.param_server import mean_shard, split_group
+from dsgd.param_server import group_means
 
 logger = logging.getLogger("dsgd")
 
@@ -96,8 +96,7 @@ class Step:
             else:
                 worker_groups = sgd.actors.wait(refs, workers, f"{self.label}: gathering shard "
                                                 f"group {g}", self.time_left())
-                mean_refs.append(ray.put(tuple(
-                    mean_shard(s, p) for s, p in zip(shards, split_group(shards, worker_groups)))))
+                mean_refs.append(ray.put(group_means(shards, worker_groups)))
         if per_group(sgd):
             # Every gradient is in the store by now: a worker applies group g while
             # the PS actors still sum the groups after it, and can compute a mean

@@ -212,7 +212,7 @@ class Worker:
         views, read during the call."""
         import ray
 
-        from dsgd.param_server import mean_shard, split_group
+        from dsgd.param_server import group_means
 
         start = time.perf_counter()
         deadline = start + timeout_s
@@ -229,11 +229,10 @@ class Worker:
                 try:
                     means = ray.get(mean_refs[k], timeout=max(0.001, deadline - waited))
                 except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
-                    plan_shards = [self.replicas.plan.shards[j] for j in group]
                     worker_groups = ray.get(list(grad_refs[k]),
                                             timeout=max(0.001, deadline - time.perf_counter()))
-                    means = tuple(mean_shard(s, p) for s, p in
-                                  zip(plan_shards, split_group(plan_shards, worker_groups)))
+                    means = group_means([self.replicas.plan.shards[j] for j in group],
+                                        worker_groups)
                     fallback.append(k)
                 wait_s += time.perf_counter() - waited
                 if len(means) != len(group):

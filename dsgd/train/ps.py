@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 
 from dsgd import store
-from dsgd.param_server import mean_shard, split_group
+from dsgd.param_server import group_means
 
 
 class RendezvousPS:
@@ -41,8 +41,7 @@ class RendezvousPS:
         entry = await self._arrive(("reduce", seq), rank, world, pieces)
         if entry["result"] is None:
             groups = [entry["parts"][r] for r in range(world)]
-            entry["result"] = tuple(mean_shard(s, p) for s, p in
-                                    zip(shards, split_group(shards, groups)))
+            entry["result"] = group_means(shards, groups)
             entry["done"].set()
         return await self._leave(("reduce", seq), entry, world)
 
