@@ -133,7 +133,7 @@ def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, comp
     then that many interleaved rounds of per-group apply on and off (ab_* keys)."""
     import ray
 
-    from dsgd import steps as dsgd_steps
+    from dsgd.engine import steps as dsgd_steps
 
     constants.APPLY_PER_GROUP = per_group
     with dsgd.DistributedSGD(lambda w, d: FlatModel(mib, num_variables), workers, 1, gpu=False,

@@ -87,8 +87,8 @@ def in_actor(creator, driver_plain, rounds: int, steps: int, cpus: int) -> dict:
     joins the rounds: what running inside an actor costs by itself."""
     import ray
 
-    from dsgd.sharding import whole_plan
-    from dsgd.worker import Worker
+    from dsgd.comm.sharding import whole_plan
+    from dsgd.worker.worker import Worker
 
     modes = ("raise", "ignore", "skip")
 

@@ -2,7 +2,7 @@
 
 import os as _os
 
-from dsgd import installation as _installation
+from dsgd.native import installation as _installation
 
 # A source tree without its compiled modules (pip install . run from the repository
 # root): a clear ImportError saying what to do, before anything needs them.
@@ -12,7 +12,7 @@ from dsgd.data import Dataset  # noqa: E402
 from dsgd.errors import (CheckpointError, DsgdError, ModelMismatchError,  # noqa: E402
                          NonFiniteError, ResourceError, StepTimeoutError)
 from dsgd.model import KerasModel, Model  # noqa: E402
-from dsgd.sgd import DistributedSGD  # noqa: E402
+from dsgd.engine.sgd import DistributedSGD  # noqa: E402
 from dsgd.trainer import BATCH_SIZE, Trainer, TrainingOperator  # noqa: E402
 
 __version__ = "0.1.0"

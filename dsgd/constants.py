@@ -3,7 +3,7 @@
 STRATEGIES = ("simple", "ps")
 # Gradient compression (strategy="ps"): the 16-bit type float32 gradients travel as.
 COMPRESSIONS = {"fp16": "float16", "bf16": "bfloat16"}
-# Local allreduce across one worker's devices; see dsgd/allreduce.py.
+# Local allreduce across one worker's devices; see dsgd/comm/device_mean.py.
 ALL_REDUCE_ALGS = ("simple", "tree", "nccl")
 
 DEFAULT_GRAD_SHARD_BYTES = 10_000_000

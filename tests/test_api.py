@@ -102,7 +102,7 @@ def test_checkpoint_round_trip_to_other_worker_count(sgd2x2, tmp_path):
     import tensorflow as tf
 
     plain = tiny.make_keras_model(seed=123)
-    tf.train.Checkpoint(weights=plain.weights).read(dsgd.checkpoint.tf_prefix(path)).expect_partial()
+    tf.train.Checkpoint(weights=plain.weights).read(dsgd.engine.checkpoints.tf_prefix(path)).expect_partial()
     for a, b in zip(plain.get_weights(), saved_weights):
         np.testing.assert_array_equal(a, b)
 
@@ -121,8 +121,11 @@ def test_mismatched_checkpoint_changes_nothing(sgd2x2, tmp_path):
     path = str(tmp_path / "wide")
     wide = WideModel(0, 0)
     wide.optimizer.build(wide.get_variables())
-    dsgd.checkpoint.write(path, dsgd.checkpoint.save_files(wide, wide.optimizer.variables, 0),
-                          {"step": 0})
+    from dsgd.engine import checkpoints
+    from dsgd.worker import checkpoint_files
+
+    checkpoints.write(path, checkpoint_files.save_files(wide, wide.optimizer.variables, 0),
+                      {"step": 0})
     before = sgd2x2.get_weights()
     with pytest.raises(dsgd.ModelMismatchError, match=r"weights\[0\] has shape \(5, 9\)"):
         sgd2x2.restore_checkpoint(path)

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 # A child process that writes a checkpoint and dies (os._exit) at the n-th rename.
 CRASHING_SAVE = """
 import os, pickle, sys
-from dsgd import checkpoint
+from dsgd.engine import checkpoints as checkpoint
 path, blob, crash_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 files, meta = pickle.load(open(blob, "rb"))
 real_replace, calls = os.replace, []
@@ -107,7 +107,7 @@ def test_damaged_checkpoint_is_a_clear_error_and_changes_nothing(sgd, tmp_path, 
     if suffix == "json":
         target = path + ".dsgd.json"
     else:
-        target = dsgd.checkpoint.tf_prefix(path) + suffix
+        target = dsgd.engine.checkpoints.tf_prefix(path) + suffix
     damage(target)
     with pytest.raises(dsgd.CheckpointError, match=message):
         sgd.restore_checkpoint(path)

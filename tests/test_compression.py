@@ -12,9 +12,9 @@ import tensorflow as tf
 
 import dsgd
 import tiny
-from dsgd import _core, ops
+from dsgd.native import _core, dlpack, ops
 from dsgd.errors import NonFiniteError
-from dsgd.sharding import plan_shards
+from dsgd.comm.sharding import plan_shards
 
 WIRE = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 FORMAT = {"fp16": "f16", "bf16": "bf16"}
@@ -117,7 +117,7 @@ def test_pack_and_unpack_are_the_wire_format(compression):
 
 def test_bfloat16_variables_through_the_ps_come_back_as_bfloat16():
     # The Ray Train exchange's path (dsgd/train): ml_dtypes arrays in, mean_shard, unpack.
-    from dsgd.param_server import mean_shard, split_group
+    from dsgd.comm.means import mean_shard, split_group
 
     bf = ml_dtypes.bfloat16
     shapes = [(70,), (3, 2)]
@@ -141,7 +141,7 @@ def test_read_op_widens_large_shards_on_several_threads():
     plan = plan_shards([(n,)], ["float32"], 10_000_000, compression="fp16")
     values = wide_range(n, 3)
     shards = plan.pack([values])
-    addresses = tf.constant([ops.buffer_address(a) for a in shards], tf.int64)
+    addresses = tf.constant([dlpack.buffer_address(a) for a in shards], tf.int64)
     sizes = tf.constant([a.nbytes for a in shards], tf.int64)
     out = ops.read_shards(addresses, sizes, plan)[0]
     np.testing.assert_array_equal(out.numpy(), values.astype(np.float16).astype(np.float32))
@@ -161,7 +161,7 @@ def test_read_op_widens_16_bit_shards_to_float32(compression):
                 piece = piece.astype(WIRE[compression]).view(np.uint16).view(out.dtype)
             out[p.shard_offset:p.shard_offset + p.length] = piece
         shards.append(out)
-    addresses = tf.constant([ops.buffer_address(a) for a in shards], tf.int64)
+    addresses = tf.constant([dlpack.buffer_address(a) for a in shards], tf.int64)
     sizes = tf.constant([a.nbytes for a in shards], tf.int64)
     for out, want, shape, dtype in zip(ops.read_shards(addresses, sizes, plan), flat, shapes, dtypes):
         assert tuple(out.shape) == shape and out.dtype == tf.as_dtype(dtype)

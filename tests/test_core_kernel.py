@@ -5,9 +5,10 @@ import functools
 import numpy as np
 import pytest
 
-from dsgd import _core
-from dsgd.param_server import ParameterServer, mean_shard
-from dsgd.sharding import plan_shards
+from dsgd.native import _core
+from dsgd.comm.means import mean_shard
+from dsgd.comm.param_server import ParameterServer
+from dsgd.comm.sharding import plan_shards
 
 SIZES = [1, 17, 1000, _core.MIN_ELEMENTS_PER_THREAD * 2 + 5]
 

@@ -9,10 +9,10 @@ import ray
 
 import dsgd
 import tiny
-from dsgd.arguments import check_store
-from dsgd.launch import check_signatures
-from dsgd.replicas import Replicas
-from dsgd.sharding import plan_shards
+from dsgd.engine.resources import check_store
+from dsgd.engine.launch import check_signatures
+from dsgd.worker.replicas import Replicas
+from dsgd.comm.sharding import plan_shards
 
 GOOD = dict(model_creator=tiny.creator(1, 4), num_workers=1, devices_per_worker=1, gpu=False)
 
@@ -183,7 +183,7 @@ def test_object_store_too_small_is_named(caplog):
 def test_count_quietly_reports_an_applied_nonfinite_step(caplog):
     """A call of local steps whose outcome no one reads (another error is being
     raised) is still counted; an applied NaN step in it is logged, not lost."""
-    from dsgd import steps
+    from dsgd.engine import steps
 
     sgd = types.SimpleNamespace(steps_done=4, skipped_steps=0)
 

@@ -89,7 +89,7 @@ def test_simple_and_ps_agree():
 @pytest.mark.parametrize("workers,devices", [(1, 2), (2, 1)])
 def test_train_with_a_step_in_flight_matches_single_process_training(workers, devices):
     """train(num_steps) submits each next step before the last one's result is back
-    (dsgd/steps.py); the weights are still those of steps run one at a time."""
+    (dsgd/engine/steps.py); the weights are still those of steps run one at a time."""
     with dsgd.DistributedSGD(tiny.creator(devices, BATCH, "adam"), workers, devices, gpu=False,
                              grad_shard_bytes=128) as sgd:
         initial = sgd.get_weights()
@@ -110,7 +110,7 @@ def test_train_with_a_step_in_flight_matches_single_process_training(workers, de
 def test_one_worker_train_in_calls_of_several_steps_matches_single_process_training(
         most, steps, monkeypatch):
     """One worker, train(): several steps per actor call, the next call queued
-    behind the current one (dsgd/steps.py run_local): 7 steps in calls of 3, 3
+    behind the current one (dsgd/engine/steps.py run_local): 7 steps in calls of 3, 3
     and 1, or 40 in calls of the default size, are the steps of one model."""
     from dsgd import constants
 

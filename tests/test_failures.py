@@ -1,6 +1,6 @@
-"""The failure policy (dsgd/failures.py), in-process: every branch of decide()."""
+"""The failure policy (dsgd/engine/failures.py), in-process: every branch of decide()."""
 
-from dsgd.failures import Status, WorkerStatus, decide
+from dsgd.engine.failures import Status, WorkerStatus, decide
 
 
 def status(workers, dead_ps=(), steps_done=5, failures=1, max_failures=3, elastic=False,

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import dsgd
-from dsgd import installation
+from dsgd.native import installation
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(dsgd.__file__))
 
@@ -50,6 +50,7 @@ def test_the_installed_package_is_complete():
 
 
 def test_missing_files_are_listed(tmp_path):
-    (tmp_path / "_dsgd_ops.so").write_bytes(b"")
+    (tmp_path / "native").mkdir()
+    (tmp_path / "native" / "_dsgd_ops.so").write_bytes(b"")
     missing = installation.missing_compiled(str(tmp_path))
     assert missing[0].startswith("_core") and missing[1:] == ["_tf_version.txt"]

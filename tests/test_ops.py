@@ -1,4 +1,4 @@
-"""The TensorFlow op library (csrc/tf_ops via dsgd/ops.py): exact round trips,
+"""The TensorFlow op library (csrc/tf_ops via dsgd/native/ops.py): exact round trips,
 zero-copy reads proven by address, copies where memory is misaligned, clean errors."""
 
 import math
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from dsgd import ops
-from dsgd.sharding import plan_shards
+from dsgd.native import dlpack, ops
+from dsgd.comm.sharding import plan_shards
 
 SHAPE_SETS = [
     [(5, 7), (7,), (7, 3), (3,)],
@@ -24,7 +24,7 @@ def random_flat(shapes, dtype, seed=0):
 
 
 def read(shards, plan):
-    addresses = tf.constant([ops.buffer_address(a) for a in shards], tf.int64)
+    addresses = tf.constant([dlpack.buffer_address(a) for a in shards], tf.int64)
     sizes = tf.constant([a.nbytes for a in shards], tf.int64)
     return ops.read_shards(addresses, sizes, plan)
 
@@ -70,7 +70,7 @@ def test_read_inside_tf_function():
     def double(addresses, sizes):
         return [2 * t for t in ops.read_shards(addresses, sizes, plan)]
 
-    outs = double(tf.constant([ops.buffer_address(a) for a in shards], tf.int64),
+    outs = double(tf.constant([dlpack.buffer_address(a) for a in shards], tf.int64),
                   tf.constant([a.nbytes for a in shards], tf.int64))
     for out, want in zip(outs, flat):
         np.testing.assert_array_equal(out.numpy().reshape(-1), 2 * want)
@@ -88,10 +88,10 @@ def test_aligned_whole_variable_is_read_in_place():
     shard[:] = plan.pack(flat)[0]
     shard.flags.writeable = False
     outputs = read([shard], plan)
-    base = ops.buffer_address(shard)
+    base = dlpack.buffer_address(shard)
     for v, out in enumerate(outputs):
         (_, piece), = plan.pieces_of(v)
-        assert ops.buffer_address(ops.tensor_view(out)) == base + 4 * piece.shard_offset
+        assert dlpack.buffer_address(dlpack.tensor_view(out)) == base + 4 * piece.shard_offset
         np.testing.assert_array_equal(out.numpy().reshape(-1), flat[v])
 
 
@@ -100,11 +100,11 @@ def test_misaligned_memory_is_copied_not_wrapped():
     flat = random_flat(shapes, "float32")
     shard = aligned_empty(plan.shards[0].num_elements, np.float32, misalign_bytes=4)
     shard[:] = plan.pack(flat)[0]
-    assert ops.buffer_address(shard) % 64 == 4
+    assert dlpack.buffer_address(shard) % 64 == 4
     outputs = read([shard], plan)
-    base, end = ops.buffer_address(shard), ops.buffer_address(shard) + shard.nbytes
+    base, end = dlpack.buffer_address(shard), dlpack.buffer_address(shard) + shard.nbytes
     for out, want in zip(outputs, flat):
-        address = ops.buffer_address(ops.tensor_view(out))
+        address = dlpack.buffer_address(dlpack.tensor_view(out))
         assert not base <= address < end
         np.testing.assert_array_equal(out.numpy().reshape(-1), want)
 
@@ -117,17 +117,17 @@ def test_object_store_buffer_is_read_in_place():
     shapes, plan = whole_variable_plan()
     flat = random_flat(shapes, "float32")
     stored = ray.get(ray.put(plan.pack(flat)[0]))  # a read-only view of shared memory
-    assert not stored.flags.writeable and ops.buffer_address(stored) % 64 == 0
+    assert not stored.flags.writeable and dlpack.buffer_address(stored) % 64 == 0
     outputs = read([stored], plan)
     (_, piece), = plan.pieces_of(1)
-    assert ops.buffer_address(ops.tensor_view(outputs[1])) == ops.buffer_address(stored) + 4 * piece.shard_offset
+    assert dlpack.buffer_address(dlpack.tensor_view(outputs[1])) == dlpack.buffer_address(stored) + 4 * piece.shard_offset
     np.testing.assert_array_equal(outputs[1].numpy(), flat[1])
 
 
 def test_tensor_view_shares_the_tensors_memory():
     t = tf.random.normal([1000])
-    a, b = ops.tensor_view(t), ops.tensor_view(t)
-    assert ops.buffer_address(a) == ops.buffer_address(b)
+    a, b = dlpack.tensor_view(t), dlpack.tensor_view(t)
+    assert dlpack.buffer_address(a) == dlpack.buffer_address(b)
     np.testing.assert_array_equal(a, t.numpy())
 
 
@@ -148,7 +148,7 @@ def test_bad_input_is_a_python_error():
             num_outputs=1, shapes=[[4]], shard_elements=[4], pieces=[0, 0, 4, 0, 0])
     with pytest.raises(tf.errors.InvalidArgumentError, match="has 4 elements but its pieces cover 3"):
         ops.library().dsgd_read_shards(
-            addresses=tf.constant([ops.buffer_address(shards[0])], tf.int64),
+            addresses=tf.constant([dlpack.buffer_address(shards[0])], tf.int64),
             byte_sizes=tf.constant([16], tf.int64), T=tf.float32, wire=tf.float32,
             num_outputs=1, shapes=[[4]], shard_elements=[4], pieces=[0, 0, 3, 0, 0])
 

@@ -12,8 +12,9 @@ import pytest
 import ray
 
 import dsgd
-from dsgd import constants, recovery, steps
-from dsgd.replicas import _last_group_of_variables, per_group_blocker
+from dsgd import constants
+from dsgd.engine import recovery, steps
+from dsgd.worker.replicas import _last_group_of_variables, per_group_blocker
 import tiny
 
 BATCH, STEPS = 4, 4
@@ -179,7 +180,7 @@ def test_a_worker_that_cannot_finish_a_partly_applied_step_exits(monkeypatch):
     group it exits, since its weights would be neither the step's nor the last
     (the driver then recovers it as a dead worker)."""
     monkeypatch.setattr(constants, "APPLY_PER_GROUP", True)
-    start = dsgd.store.settled_usage()
+    start = dsgd.comm.store.settled_usage()
     gone = _Gone.remote()
     ray.get(gone.value.remote(), timeout=60)
     ray.kill(gone)
@@ -229,7 +230,7 @@ def test_a_worker_that_cannot_finish_a_partly_applied_step_exits(monkeypatch):
     # The means put here were lent to the worker that exited: wait for Ray to free
     # them, so that later tests' store counts start clean.
     del zeros
-    left = dsgd.store.drained_usage(baseline=start)
+    left = dsgd.comm.store.drained_usage(baseline=start)
     assert left["num_objects"] <= start["num_objects"], (left, start)
 
 

@@ -37,13 +37,13 @@ def test_available_resources_per_node_matches_the_public_totals():
 @pytest.mark.cluster
 @pytest.mark.usefixtures("ray_local")
 def test_object_store_stats_count_a_stored_object():
-    before = dsgd.store.settled_usage()
+    before = dsgd.comm.store.settled_usage()
     ref = ray.put(np.ones(2**20, np.uint8))  # 1 MiB: above the inline limit, in the store
     during = ray_private.object_store_stats()
     assert during["num_objects"] >= before["num_objects"] + 1
     assert during["bytes_used"] >= before["bytes_used"] + 2**20
     del ref
-    after = dsgd.store.drained_usage(baseline=before)
+    after = dsgd.comm.store.drained_usage(baseline=before)
     # Ours is gone; objects of earlier tests that Ray frees meanwhile may be too.
     assert after["num_objects"] <= before["num_objects"]
     assert after["bytes_used"] < before["bytes_used"] + 2**20

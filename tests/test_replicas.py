@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import tiny
-from dsgd.replicas import Replicas
-from dsgd.sharding import plan_shards
+from dsgd.worker.replicas import Replicas
+from dsgd.comm.sharding import plan_shards
 
 
 @pytest.mark.parametrize("shard_bytes", [64, 100, 10_000_000])

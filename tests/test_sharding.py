@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from dsgd.sharding import assign_shards, group_shards, plan_shards, whole_plan
+from dsgd.comm.sharding import assign_shards, group_shards, plan_shards, whole_plan
 
 SHAPES = [(5, 7), (7,), (7, 3), (3,)]  # tiny.py's variables: 140, 28, 84, 12 bytes
 

@@ -8,7 +8,7 @@ import pytest
 import ray
 
 import dsgd
-from dsgd import store
+from dsgd.comm import store
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 
@@ -109,7 +109,7 @@ def test_warm_faults_in_the_store_mapping_without_touching_data():
 
 def test_warm_bytes_covers_8_steps_up_to_a_bound():
     from dsgd import constants
-    from dsgd.sharding import plan_shards
+    from dsgd.comm.sharding import plan_shards
 
     small = plan_shards([(1000,)], ["float32"], 10_000_000)
     assert store.warm_bytes(small, 2) == 8 * 3 * 4000

@@ -1,7 +1,7 @@
 """How a `dsgd.Dataset` feeds a `DistributedSGD`: a driver-side feed per kind
 of data, and the loader it sends to every worker.
 
-The engine (`DistributedSGD.train`, dsgd/training.py) drives a feed through
+The engine (`DistributedSGD.train`, dsgd/engine/feeding.py) drives a feed through
 this protocol, without importing this module:
 
     feed.loaders(sgd)          one loader per worker (in worker order), which the

@@ -3,7 +3,7 @@ allreduce of a list of gradients through them.
 
 The backend installs the context in every Ray Train worker process
 (`install`); `allreduce` then packs the gradients with the engine's shard plan
-(dsgd/sharding.py: fusion, reverse layer order, alignment), sends each PS its
+(dsgd/comm/sharding.py: fusion, reverse layer order, alignment), sends each PS its
 group of shards, and unpacks the means. Exchanges are numbered in call order,
 the same on every worker (SPMD): a PS matches the workers' calls by number.
 """
@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from dsgd.errors import DsgdError, StepTimeoutError
-from dsgd.sharding import assign_shards, group_shards, plan_shards
+from dsgd.comm.sharding import assign_shards, group_shards, plan_shards
 
 _CONTEXT: dict = {}
 _LOCK = threading.Lock()

@@ -1,6 +1,6 @@
 """The PS actor of the Ray Train backend: a rendezvous that averages.
 
-Unlike the engine's PS (dsgd/param_server.py), which the driver calls once every
+Unlike the engine's PS (dsgd/comm/param_server.py), which the driver calls once every
 worker's shards exist, here the workers call it themselves (no driver in the
 per-step path): worker r calls `reduce(seq, r, world, shards, pieces)` with the
 tuple of its pieces of a group of shards (one object in the store, read here as
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import asyncio
 
-from dsgd import store
-from dsgd.param_server import group_means
+from dsgd.comm import store
+from dsgd.comm.means import group_means
 
 
 class RendezvousPS:

@@ -17,12 +17,13 @@ from typing import Any
 
 import numpy as np
 
-from dsgd import constants, training
-from dsgd.actors import actor_died_errors
+from dsgd import constants
+from dsgd.engine import feeding
+from dsgd.engine.actors import actor_died_errors
 from dsgd.data import Dataset
 from dsgd.data.dataset import is_ray_dataset
 from dsgd.data.feeds import RowSpans
-from dsgd.sgd import DistributedSGD
+from dsgd.engine.sgd import DistributedSGD
 from dsgd.trainer import results
 from dsgd.trainer.operator import BATCH_SIZE, TrainingOperator
 from dsgd.trainer.replica import OperatorReplica, validate_share
@@ -126,7 +127,7 @@ class Trainer:
         if data is None:
             raise ValueError("nothing to train on: register_data(train_data=...) in setup, or "
                              "pass dataset= to train()")
-        summary = training.train(self.sgd, num_steps, None if isinstance(data, str) else data,
+        summary = feeding.train(self.sgd, num_steps, None if isinstance(data, str) else data,
                                  desc=f"epoch {epoch}")
         result = results.train_results(summary, epoch, reduce_results, profile)
         reduced = result if reduce_results else results.train_results(summary, epoch, True, False)
@@ -259,7 +260,7 @@ class Trainer:
         most VALIDATION_TIMEOUT_STEPS x step_timeout_s (a worker validates its whole
         share in one call, so a long call is no sign of a hang: a timeout raises,
         it kills nobody); a worker that dies is replaced and the whole call redone."""
-        from dsgd import recovery
+        from dsgd.engine import recovery
 
         timeout_s = constants.VALIDATION_TIMEOUT_STEPS * self.sgd.step_timeout_s
         while True:

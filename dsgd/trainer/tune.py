@@ -2,7 +2,7 @@
 
 A trial's resources are one placement group: bundle 0 for the trainable itself
 (the Trainer's driver), then one bundle per worker. DistributedSGD places its
-workers inside the current placement group (dsgd/launch.py), so they never
+workers inside the current placement group (dsgd/engine/launch.py), so they never
 escape the trial's resources; its PS actors take no CPU. Ray Data's tasks run
 outside trial placement groups: leave CPUs for them.
 """

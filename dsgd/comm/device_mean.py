@@ -19,14 +19,6 @@ from typing import Sequence
 from dsgd.constants import ALL_REDUCE_ALGS
 
 
-def check_algorithm(name: str, gpu: bool) -> None:
-    if name not in ALL_REDUCE_ALGS:
-        raise ValueError(f"all_reduce_alg must be one of {list(ALL_REDUCE_ALGS)}, got {name!r}")
-    if name == "nccl" and not gpu:
-        raise ValueError("all_reduce_alg='nccl' needs GPU devices (gpu=True); "
-                         "use 'simple' or 'tree' with gpu=False")
-
-
 def mean_across_devices(grads: Sequence[Sequence], devices: Sequence[str], algorithm: str):
     """grads[i][v]: gradient of variable v on replica i. Returns means[i][v]."""
     import tensorflow as tf

@@ -1,7 +1,7 @@
 """A worker's replicas and its compiled step (no Ray here).
 
 `Replicas` builds one replica per device, checks that they agree, and owns the
-`tf.function`s of a step. The worker actor (dsgd/worker.py) drives it; it can
+`tf.function`s of a step. The worker actor (dsgd/worker/worker.py) drives it; it can
 also be used in-process.
 """
 
@@ -14,10 +14,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dsgd import allreduce, ops
+from dsgd.comm import device_mean
+from dsgd.native import dlpack, ops
 from dsgd.errors import DsgdError, ModelMismatchError, ResourceError
 from dsgd.model import Model, _name, _np_dtype
-from dsgd.sharding import ShardPlan
+from dsgd.comm.sharding import ShardPlan
 
 
 class Replicas:
@@ -142,7 +143,7 @@ class Replicas:
         tensors (no copy; the views keep the tensors alive). Serialising a tuple
         of views (pickle 5, out of band) copies each piece once, into its place
         in the object-store buffer: that copy is the fusion pass."""
-        views = [ops.tensor_view(g) for g in flat_grads]
+        views = [dlpack.tensor_view(g) for g in flat_grads]
         return [tuple(views[p.var_index][p.var_offset:p.var_offset + p.length] for p in shard.pieces)
                 for shard in self.plan.shards]
 
@@ -158,7 +159,7 @@ class Replicas:
                             f"the plan has {self.plan.num_shards}")
         for j, array in enumerate(shards):
             self._check_shard(j, array)
-        addresses = tf.constant([ops.buffer_address(a) for a in shards], tf.int64)
+        addresses = tf.constant([dlpack.buffer_address(a) for a in shards], tf.int64)
         byte_sizes = tf.constant([a.nbytes for a in shards], tf.int64)
         self._apply_fn(addresses, byte_sizes)
 
@@ -183,7 +184,7 @@ class Replicas:
         addresses = [0] * self.plan.num_shards
         byte_sizes = [0] * self.plan.num_shards
         for j in stage.shard_ids:
-            addresses[j], byte_sizes[j] = ops.buffer_address(shards[j]), shards[j].nbytes
+            addresses[j], byte_sizes[j] = dlpack.buffer_address(shards[j]), shards[j].nbytes
         stage.fn(tf.constant(addresses, tf.int64), tf.constant(byte_sizes, tf.int64))
         return True
 
@@ -248,7 +249,7 @@ class Replicas:
                              else [None] * len(grads[-1]))
                 checked = [f for f in flags[-1] if f is not None]
                 finite.append(tf.reduce_all(tf.stack(checked)) if checked else tf.constant(True))
-        means = allreduce.mean_across_devices(grads, self.devices, self.all_reduce_alg)
+        means = device_mean.mean_across_devices(grads, self.devices, self.all_reduce_alg)
         names = sorted(metrics[0])
         if any(sorted(m) != names for m in metrics):
             raise ValueError("get_loss must return the same metric names on every replica, got "

@@ -1,7 +1,7 @@
 """`DistributedSGD`: the driver and its API. Beside it, driver side: the step
-path (dsgd/steps.py), many steps fed by a dataset (dsgd/training.py), starting
-actors and planning shards (dsgd/launch.py), failure handling (dsgd/recovery.py
-carries out dsgd/failures.py) and checkpoint plumbing (dsgd/checkpoint.py).
+path (dsgd/engine/steps.py), many steps fed by a dataset (dsgd/engine/feeding.py), starting
+actors and planning shards (dsgd/engine/launch.py), failure handling (dsgd/engine/recovery.py
+carries out dsgd/engine/failures.py) and checkpoint plumbing (dsgd/engine/checkpoints.py).
 Workers and PS actors only execute."""
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from dsgd import checkpoint, constants, launch, ops, steps, training
-from dsgd.actors import ActorSet
-from dsgd.arguments import check_args
+from dsgd import constants
+from dsgd.engine import checkpoints, feeding, launch, steps
+from dsgd.native import ops
+from dsgd.engine.actors import ActorSet
+from dsgd.config import check_args
 from dsgd.model import Model
-from dsgd.worker import Worker
+from dsgd.worker.worker import Worker
 
 logger = logging.getLogger("dsgd")
 ops.check_installed_tf()  # a TensorFlow other than the one dsgd was built against: ImportError
@@ -133,7 +135,7 @@ class DistributedSGD:
         self._next_grow_check = 0.0
         self._suffix = uuid.uuid4().hex[:6]
         self.membership = 0       # bumped whenever workers are replaced or added
-        self._feeds = {}          # data feeds by key (dsgd/training.py), most recent last
+        self._feeds = {}          # data feeds by key (dsgd/engine/feeding.py), most recent last
         self.on_workers_changed: list[Callable[[], Any]] = []  # run after recovery/growth
         self.last_feed = None     # the feed of the last step trained from a dataset
         self.pending_data_position = None  # restored before any dataset was used
@@ -210,9 +212,9 @@ class DistributedSGD:
         a dataset, from the replicas' own `get_batch()`. Default `num_steps`: one
         epoch of the dataset (of the replicas' data if their `steps_per_epoch()`
         says). A dataset continues where the last `train` on it stopped. Blocks;
-        shows a progress bar when stderr is a terminal. See dsgd/training.py for
+        shows a progress bar when stderr is a terminal. See dsgd/engine/feeding.py for
         the summary it returns (`loss`, `steps`, `num_samples`, ...)."""
-        return training.train(self, num_steps, dataset)
+        return feeding.train(self, num_steps, dataset)
 
     def _wait(self, refs: list, owners: list, what: str, timeout_s: float) -> list:
         return self.actors.wait(refs, owners, what, timeout_s)
@@ -251,14 +253,14 @@ class DistributedSGD:
         `extra`: JSON-serialisable values stored with it (e.g. a trainer's
         epoch), which `restore_checkpoint` returns. Blocks until the files are
         fsynced. Returns `path`."""
-        return checkpoint.save(self, path, extra)
+        return checkpoints.save(self, path, extra)
 
     def restore_checkpoint(self, path: str) -> dict | None:
         """Load a checkpoint written by `save_checkpoint` into every replica (any
         number of workers). Returns the `extra` saved with it (None if none).
         A truncated or corrupt checkpoint raises CheckpointError, one that does
         not fit the model ModelMismatchError, both before any replica changes."""
-        return checkpoint.restore(self, path)
+        return checkpoints.restore(self, path)
 
     def _call_all(self, method: str, *args) -> list:
         workers = list(self.workers)

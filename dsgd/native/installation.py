@@ -8,7 +8,7 @@ only in site-packages. Python run from the repository root imports the source
 tree instead (the current directory comes first on `sys.path`, and Ray puts
 the driver's directory first on its workers' `sys.path` too), which has no
 compiled modules; without this check that surfaced as an unhelpful
-"cannot import name '_core' from partially initialized module 'dsgd' (most
+"cannot import name '_core' from partially initialized module 'dsgd.native' (most
 likely due to a circular import)".
 """
 
@@ -21,12 +21,15 @@ import sys
 OPS_LIBRARY = "_dsgd_ops.so"
 CORE_MODULE = "_core"
 TF_VERSION_FILE = "_tf_version.txt"
+NATIVE_DIR = "native"  # where the compiled files sit inside the package
 
 
 def missing_compiled(package_dir: str) -> list[str]:
-    """The compiled files `package_dir` lacks: the pybind11 module `_core`, the
-    TensorFlow op library and the TensorFlow version it was built against."""
-    names = set(os.listdir(package_dir)) if os.path.isdir(package_dir) else set()
+    """The compiled files the dsgd package at `package_dir` lacks in its
+    `native/` folder: the pybind11 module `_core`, the TensorFlow op library
+    and the TensorFlow version it was built against."""
+    native = os.path.join(package_dir, NATIVE_DIR)
+    names = set(os.listdir(native)) if os.path.isdir(native) else set()
     missing = []
     if not any(CORE_MODULE + suffix in names for suffix in importlib.machinery.EXTENSION_SUFFIXES):
         missing.append(CORE_MODULE + importlib.machinery.EXTENSION_SUFFIXES[0])

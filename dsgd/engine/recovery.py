@@ -2,7 +2,7 @@
 failed step, ask `failures.decide` what to do, then replace workers and PS
 actors, copy state, restore a checkpoint, or grow back (elastic=True).
 
-The policy itself is pure (dsgd/failures.py); this module only executes it.
+The policy itself is pure (dsgd/engine/failures.py); this module only executes it.
 Every function takes the driver (`dsgd.sgd.DistributedSGD`) and blocks, each
 wait at most `step_timeout_s` (replacements: `start_timeout_s`).
 """
@@ -13,8 +13,9 @@ import logging
 import re
 import time
 
-from dsgd import constants, failures, launch
-from dsgd.actors import placeable_workers
+from dsgd import constants
+from dsgd.engine import failures, launch
+from dsgd.engine.actors import placeable_workers
 from dsgd.errors import DsgdError
 
 logger = logging.getLogger("dsgd")

@@ -13,7 +13,6 @@ import functools
 import os
 from importlib import metadata
 
-import numpy as np
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 LIBRARY_PATH = os.path.join(_HERE, "_dsgd_ops.so")
@@ -117,32 +116,3 @@ def all_finite(tensors: list):
     if not tensors:
         raise ValueError("all_finite: `tensors` is empty; pass at least one floating tensor")
     return library().dsgd_all_finite(tensors)
-
-
-class _DLPackCapsule:
-    """Hands numpy a TensorFlow DLPack capsule (numpy asks for an object)."""
-
-    def __init__(self, capsule):
-        self.capsule = capsule
-
-    def __dlpack__(self, stream=None, **kwargs):
-        return self.capsule
-
-    def __dlpack_device__(self):
-        return (1, 0)  # kDLCPU
-
-
-def tensor_view(tensor) -> np.ndarray:
-    """A numpy view of a CPU tensor's memory, without copying. The view keeps the
-    tensor's buffer alive; do not write to it. Dtypes numpy cannot take over
-    DLPack (e.g. bfloat16) are copied with `.numpy()` instead."""
-    import tensorflow as tf
-
-    try:
-        return np.from_dlpack(_DLPackCapsule(tf.experimental.dlpack.to_dlpack(tensor)))
-    except (TypeError, BufferError, RuntimeError, tf.errors.InvalidArgumentError):
-        return tensor.numpy()
-
-
-def buffer_address(array: np.ndarray) -> int:
-    return array.__array_interface__["data"][0]

@@ -1,5 +1,5 @@
 """The actors a `DistributedSGD` owns: starting, naming, waiting on, probing and
-replacing workers and PS actors. The driver decides (dsgd/failures.py); this
+replacing workers and PS actors. The driver decides (dsgd/engine/failures.py); this
 module only carries out.
 
 Every wait has a deadline. While a wait is pending, a stall report is logged
@@ -14,8 +14,8 @@ import time
 
 from dsgd import constants
 from dsgd.errors import DsgdError, StepTimeoutError
-from dsgd.param_server import ParameterServer
-from dsgd.worker import Worker
+from dsgd.comm.param_server import ParameterServer
+from dsgd.worker.worker import Worker
 
 logger = logging.getLogger("dsgd")
 

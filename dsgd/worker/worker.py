@@ -19,11 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from dsgd import checkpoint, store
+from dsgd.comm import store
+from dsgd.worker import checkpoint_files
 from dsgd.errors import DsgdError
 from dsgd.model import Model
-from dsgd.replicas import Replicas
-from dsgd.sharding import ShardPlan
+from dsgd.worker.replicas import Replicas
+from dsgd.comm.sharding import ShardPlan
 
 
 class Worker:
@@ -212,7 +213,7 @@ class Worker:
         views, read during the call."""
         import ray
 
-        from dsgd.param_server import group_means
+        from dsgd.comm.means import group_means
 
         start = time.perf_counter()
         deadline = start + timeout_s
@@ -260,11 +261,11 @@ class Worker:
     def get_state(self) -> list[np.ndarray]:
         """Replica 0's full model state (a Keras model's `weights`, non-trainable
         included; else `get_variables()`), for the start-up broadcast."""
-        return [np.array(v.numpy()) for v in checkpoint.state_variables(self.replicas.replicas[0])]
+        return [np.array(v.numpy()) for v in checkpoint_files.state_variables(self.replicas.replicas[0])]
 
     def set_state(self, state: list[np.ndarray]) -> None:
         for replica in self.replicas.replicas:
-            for variable, value in zip(checkpoint.state_variables(replica), state, strict=True):
+            for variable, value in zip(checkpoint_files.state_variables(replica), state, strict=True):
                 variable.assign(value)
 
     def get_full_state(self) -> dict:
@@ -304,12 +305,12 @@ class Worker:
 
     def save_checkpoint(self, step: int) -> dict[str, bytes]:
         """Replica 0's weights and optimizer state as checkpoint files {suffix: bytes}."""
-        return checkpoint.save_files(self.replicas.replicas[0], self.replicas.optimizer_variables(0),
+        return checkpoint_files.save_files(self.replicas.replicas[0], self.replicas.optimizer_variables(0),
                                      step)
 
     def restore_checkpoint(self, files: dict[str, bytes]) -> int:
         """Restore every replica from checkpoint files; returns the saved step."""
-        step = checkpoint.restore_files(
+        step = checkpoint_files.restore_files(
             self.replicas.replicas,
             [self.replicas.optimizer_variables(i) for i in range(len(self.replicas.replicas))], files)
         self.applied_steps = step

@@ -1,7 +1,7 @@
 """Starting a DistributedSGD's actors (driver side): workers (replicas built,
 signatures compared, step compiled), the shard plan, PS actors beside the
 workers, and the start-up weight broadcast. Used at construction, and by
-dsgd/recovery.py to start replacements.
+dsgd/engine/recovery.py to start replacements.
 
 Every function takes the driver (`dsgd.sgd.DistributedSGD`) and blocks until
 its actors have answered, each wait at most `start_timeout_s` (start-up) or
@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import logging
 
-from dsgd import constants, store
-from dsgd.arguments import check_resources, check_store
+from dsgd import constants
+from dsgd.comm import store
+from dsgd.engine.resources import check_resources, check_store
 from dsgd.errors import ModelMismatchError
-from dsgd.sharding import (
+from dsgd.comm.sharding import (
     ShardPlan,
     assign_shards,
     group_shards,

@@ -31,10 +31,11 @@ from __future__ import annotations
 import logging
 import time
 
-from dsgd import constants, recovery
-from dsgd.actors import actor_died_errors
+from dsgd import constants
+from dsgd.engine import recovery
+from dsgd.engine.actors import actor_died_errors
 from dsgd.errors import DsgdError, NonFiniteError, StepTimeoutError
-from dsgd.param_server import group_means
+from dsgd.comm.means import group_means
 
 logger = logging.getLogger("dsgd")
 

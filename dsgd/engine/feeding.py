@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from dsgd import constants, progress, steps
+from dsgd import constants, progress
+from dsgd.engine import steps
 
 
 def train(sgd, num_steps: int | None, dataset, desc: str = "train") -> dict:
