@@ -129,16 +129,21 @@ def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, comp
            per_group=True, ab_rounds=0):
     """Per-step medians of the dsgd step and its phases, plus where the CPU went:
     CPU ms and minor page faults per step of every process (Linux /proc).
-    per_group=False: one apply per step (constants.APPLY_PER_GROUP). ab_rounds:
-    then that many interleaved rounds of per-group apply on and off (ab_* keys)."""
+    per_group=False: one apply per step (DistributedSGD(apply_per_group=False)).
+    ab_rounds: then that many interleaved rounds (ABBA) of this instance and a
+    second one with per-group apply off, both warm (ab_* keys)."""
+    import contextlib
+
     import ray
 
-    from dsgd.engine import steps as dsgd_steps
+    def make(apply_per_group):
+        return dsgd.DistributedSGD(lambda w, d: FlatModel(mib, num_variables), workers, 1,
+                                   gpu=False, strategy="ps", num_ps=num_ps,
+                                   grad_shard_bytes=shard_bytes, compression=compression,
+                                   apply_per_group=apply_per_group)
 
-    constants.APPLY_PER_GROUP = per_group
-    with dsgd.DistributedSGD(lambda w, d: FlatModel(mib, num_variables), workers, 1, gpu=False,
-                             strategy="ps", num_ps=num_ps, grad_shard_bytes=shard_bytes,
-                             compression=compression) as sgd:
+    with contextlib.ExitStack() as stack:
+        sgd = stack.enter_context(make(per_group))
         for _ in range(warmup):
             sgd.step()
         pids = {f"worker{i}": ray.get(w.ping.remote(), timeout=60)["pid"]
@@ -152,22 +157,23 @@ def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, comp
         after = {k: proc_stat(pid) for k, pid in pids.items()}
         groups = len(sgd.shard_groups)
         num_shards = sgd.plan.num_shards
-        applied_per_group = dsgd_steps.per_group(sgd)
+        applied_per_group = sgd.applies_per_group
         # train(): each next step submitted before the last one's result is back.
         in_flight = sgd.train(num_steps=steps)["step_s"]
         ab = {}
         if ab_rounds and applied_per_group:
-            # Interleaved A/B on the same actors: rounds of step() and train() with
-            # per-group apply on and off, in ABBA order (the driver reads the flag
-            # every step).
+            # Interleaved A/B: rounds of step() and train() with per-group apply on
+            # (this instance) and off (a second one, idle while the first runs).
+            one_apply = stack.enter_context(make(False))
+            for _ in range(warmup):
+                one_apply.step()
             for r in range(ab_rounds):
-                order = ((True, "per_group"), (False, "one_apply"))
-                for flag, name in (order if r % 2 == 0 else order[::-1]):  # ABBA
-                    constants.APPLY_PER_GROUP = flag
-                    ab.setdefault(f"{name}_step_s", []).append(median_time(sgd.step, steps, 1))
+                order = ((sgd, "per_group"), (one_apply, "one_apply"))
+                for instance, name in (order if r % 2 == 0 else order[::-1]):  # ABBA
+                    ab.setdefault(f"{name}_step_s", []).append(
+                        median_time(instance.step, steps, 1))
                     ab.setdefault(f"{name}_train_s", []).append(
-                        sgd.train(num_steps=steps)["step_s"])
-            constants.APPLY_PER_GROUP = True
+                        instance.train(num_steps=steps)["step_s"])
             ab = {f"ab_{k}": statistics.median(v) for k, v in ab.items()}
     phases = {k: statistics.median(s[k] for s in stats)
               for k in ("step_s", "compute_s", "exchange_s", "apply_s")}
@@ -175,7 +181,6 @@ def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, comp
     phases["cpu_ms_per_step"] = {k: 1e3 * (after[k][0] - before[k][0]) / steps for k in pids}
     phases["faults_per_step"] = {k: (after[k][1] - before[k][1]) / steps for k in pids}
     phases.update(num_shards=num_shards, num_groups=groups, per_group=applied_per_group, **ab)
-    constants.APPLY_PER_GROUP = True
     return phases
 
 

@@ -151,7 +151,8 @@ def main(argv=None):
                    help="dsgd's non-finite check (ignore: none, to see what the check costs)")
     p.add_argument("--compare-one-step-per-call", action="store_true",
                    help="each round also times train() with one step per actor call "
-                        "(constants.LOCAL_STEPS_PER_CALL = 1)")
+                        "(a second instance with local_steps_per_call=1, after the first: "
+                        "both cannot hold the machine's CPUs at once)")
     p.add_argument("--in-actor", action="store_true",
                    help="then, per model, the same split inside one actor: plain steps vs "
                         "Worker.local_steps with on_nonfinite raise/ignore/skip (no Ray calls)")
@@ -167,13 +168,13 @@ def main(argv=None):
     for name in args.models:
         creator = CREATORS[name]
         plain = plain_step(creator(0, 0))
+        t_plain, t_dsgd, round_plain, round_train, round_train_1 = [], [], [], [], []
+        steps_per_call = constants.LOCAL_STEPS_PER_CALL
         with dsgd.DistributedSGD(creator, 1, 1, gpu=False, num_cpus_per_worker=cpus,
                                  on_nonfinite=args.on_nonfinite) as sgd:
             timed(plain, 3)
             timed(sgd.step, 3)
             sgd.train(num_steps=3)
-            t_plain, t_dsgd, round_plain, round_train, round_train_1 = [], [], [], [], []
-            steps_per_call = constants.LOCAL_STEPS_PER_CALL
             pids = {"worker": ray.get(sgd.workers[0].ping.remote(), timeout=60)["pid"],
                     "raylet": raylet_pid(), "driver": os.getpid()}
             pids = {k: v for k, v in pids.items() if v is not None}
@@ -188,12 +189,17 @@ def main(argv=None):
                 for k, pid in pids.items():
                     cpu_ms[k].append(1e3 * (proc_stat(pid)[0] - before[k]) / args.train_steps)
                 round_plain.append(sum(timed(plain, args.train_steps)) / args.train_steps)
-                if args.compare_one_step_per_call:  # the same train() one step per call
-                    constants.LOCAL_STEPS_PER_CALL = 1
-                    round_train_1.append(timed(lambda: sgd.train(num_steps=args.train_steps), 1)[0]
-                                         / args.train_steps)
-                    constants.LOCAL_STEPS_PER_CALL = steps_per_call
                 print(f"{name} round {r + 1}/{args.rounds}", flush=True)
+        round_plain_1 = []
+        if args.compare_one_step_per_call:  # the same train() one step per call
+            with dsgd.DistributedSGD(creator, 1, 1, gpu=False, num_cpus_per_worker=cpus,
+                                     on_nonfinite=args.on_nonfinite,
+                                     local_steps_per_call=1) as sgd:
+                sgd.train(num_steps=3)
+                for r in range(args.rounds):
+                    round_train_1.append(timed(lambda: sgd.train(num_steps=args.train_steps),
+                                               1)[0] / args.train_steps)
+                    round_plain_1.append(sum(timed(plain, args.train_steps)) / args.train_steps)
         row = {"model": name, "median_plain_s": statistics.median(t_plain),
                "median_dsgd_1_worker_s": statistics.median(t_dsgd), "samples": len(t_plain),
                "train_steps_per_call": args.train_steps,
@@ -206,7 +212,7 @@ def main(argv=None):
         if round_train_1:
             row["median_dsgd_train_1_per_call_round_mean_s"] = statistics.median(round_train_1)
             row["ratio_train_1_per_call"] = (row["median_dsgd_train_1_per_call_round_mean_s"]
-                                             / row["median_plain_round_mean_s"])
+                                             / statistics.median(round_plain_1))
         if args.in_actor:  # dsgd's worker is gone: the probe gets its CPUs
             row["in_actor"] = in_actor(creator, plain, args.rounds, args.train_steps, cpus)
         rows.append(row)

@@ -1,63 +1,128 @@
-"""Constructor checks of DistributedSGD: bad arguments fail before Ray starts,
-requests the cluster can never hold fail before any actor starts."""
+"""`Config`: every argument of `DistributedSGD`, checked once, then frozen.
+
+All argument checks live here: a bad argument fails in the constructor, before
+Ray starts, with a message that names the argument and what it accepts. The
+cluster checks (can the cluster hold the workers, can its object store hold a
+step) need Ray and live in dsgd/engine/resources.py.
+"""
 
 from __future__ import annotations
 
-import logging
+import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from dsgd import constants
 
-logger = logging.getLogger("dsgd")
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What a `DistributedSGD` was asked for (see its docstring for each field).
+
+    Fields beyond the constructor's documented arguments: `apply_per_group`
+    (strategy "ps": apply each PS group's mean as soon as it arrives, where the
+    optimizers allow it; False: one apply per step) and `local_steps_per_call`
+    (one worker, `train()`: steps per actor call). Both are performance
+    switches that never change results.
+    """
+
+    model_creator: Callable[[int, int], Any]
+    num_workers: int
+    devices_per_worker: int
+    gpu: bool = True
+    strategy: str = "ps"
+    grad_shard_bytes: int = constants.DEFAULT_GRAD_SHARD_BYTES
+    all_reduce_alg: str = "simple"
+    num_ps: int | None = None
+    num_cpus_per_worker: float = constants.DEFAULT_NUM_CPUS_PER_WORKER
+    step_timeout_s: float = constants.DEFAULT_STEP_TIMEOUT_S
+    start_timeout_s: float = constants.DEFAULT_START_TIMEOUT_S
+    stall_warning_s: float | None = None
+    on_nonfinite: str = "raise"
+    max_failures: int = constants.DEFAULT_MAX_FAILURES
+    elastic: bool = False
+    replace_hung: bool = False
+    worker_init: Callable[[], Any] | None = None
+    compression: str | None = None
+    apply_per_group: bool = True
+    local_steps_per_call: int = constants.LOCAL_STEPS_PER_CALL
+
+    def __post_init__(self):
+        if not callable(self.model_creator):
+            raise TypeError(f"model_creator must be callable as (worker_index, device_index) -> "
+                            f"dsgd.Model, got {type(self.model_creator).__name__}")
+        for name in ("num_workers", "devices_per_worker", "grad_shard_bytes"):
+            _positive_int(name, getattr(self, name))
+        if self.num_ps is not None:
+            _positive_int("num_ps", self.num_ps)
+        _bool("gpu", self.gpu)
+        _one_of("strategy", self.strategy, constants.STRATEGIES)
+        _one_of("all_reduce_alg", self.all_reduce_alg, constants.ALL_REDUCE_ALGS)
+        if self.all_reduce_alg == "nccl" and not self.gpu:
+            raise ValueError("all_reduce_alg='nccl' needs GPU devices (gpu=True); "
+                             "use 'simple' or 'tree' with gpu=False")
+        if self.compression is not None and (not isinstance(self.compression, str)
+                                             or self.compression not in constants.COMPRESSIONS):
+            raise ValueError(f"compression must be None or one of {list(constants.COMPRESSIONS)}, "
+                             f"got {self.compression!r}")
+        if self.compression is not None and self.strategy != "ps":
+            raise ValueError(f"compression={self.compression!r} needs strategy='ps' (strategy="
+                             f"{self.strategy!r} is the uncompressed reference)")
+        numbers = ["num_cpus_per_worker", "step_timeout_s", "start_timeout_s"]
+        if self.stall_warning_s is not None:
+            numbers.append("stall_warning_s")
+        for name in numbers:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        _one_of("on_nonfinite", self.on_nonfinite, constants.ON_NONFINITE)
+        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures,
+                                                                 (int, np.integer)) \
+                or self.max_failures < 0:
+            raise ValueError(f"max_failures must be an int >= 0, got {self.max_failures!r}")
+        _bool("elastic", self.elastic)
+        _bool("replace_hung", self.replace_hung)
+        if self.worker_init is not None and not callable(self.worker_init):
+            raise TypeError(f"worker_init must be callable or None, got "
+                            f"{type(self.worker_init).__name__}")
+        _bool("apply_per_group", self.apply_per_group)
+        _positive_int("local_steps_per_call", self.local_steps_per_call)
+        # Normalised once, so that the rest of dsgd reads plain floats and ints.
+        for name in ("step_timeout_s", "start_timeout_s", "num_cpus_per_worker"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("num_workers", "devices_per_worker", "grad_shard_bytes", "max_failures"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+
+    @property
+    def stall_report_s(self) -> float:
+        """Interval of stall reports while a wait is pending: `stall_warning_s`, or a
+        quarter of `step_timeout_s`, at most MAX_STALL_WARNING_S."""
+        return self.stall_warning_s or min(constants.MAX_STALL_WARNING_S, self.step_timeout_s / 4)
+
+    @property
+    def start_stall_report_s(self) -> float:
+        """The same while actors start: start-up is slow by nature (seconds to
+        import TensorFlow), so reports come less often."""
+        return max(self.stall_report_s, constants.START_STALL_WARNING_S)
+
+    @property
+    def uses_ps(self) -> bool:
+        """Whether PS actors exchange the gradients: strategy "ps", 2+ workers."""
+        return self.strategy == "ps" and self.num_workers > 1
 
 
-def check_args(model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
-               all_reduce_alg, num_ps, num_cpus_per_worker, step_timeout_s, start_timeout_s,
-               stall_warning_s=None, on_nonfinite="raise", max_failures=0, elastic=False,
-               compression=None):
-    if not callable(model_creator):
-        raise TypeError(f"model_creator must be callable as (worker_index, device_index) -> "
-                        f"dsgd.Model, got {type(model_creator).__name__}")
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
-    def positive_int(name, value):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
-    positive_int("num_workers", num_workers)
-    positive_int("devices_per_worker", devices_per_worker)
-    positive_int("grad_shard_bytes", grad_shard_bytes)
-    if num_ps is not None:
-        positive_int("num_ps", num_ps)
-    if not isinstance(gpu, bool):
-        raise TypeError(f"gpu must be True or False, got {gpu!r}")
-    if strategy not in constants.STRATEGIES:
-        raise ValueError(f"strategy must be one of {list(constants.STRATEGIES)}, got {strategy!r}")
-    if all_reduce_alg not in constants.ALL_REDUCE_ALGS:
-        raise ValueError(f"all_reduce_alg must be one of {list(constants.ALL_REDUCE_ALGS)}, "
-                         f"got {all_reduce_alg!r}")
-    if all_reduce_alg == "nccl" and not gpu:
-        raise ValueError("all_reduce_alg='nccl' needs GPU devices (gpu=True); "
-                         "use 'simple' or 'tree' with gpu=False")
-    if compression is not None and (not isinstance(compression, str)
-                                    or compression not in constants.COMPRESSIONS):
-        raise ValueError(f"compression must be None or one of {list(constants.COMPRESSIONS)}, "
-                         f"got {compression!r}")
-    if compression is not None and strategy != "ps":
-        raise ValueError(f"compression={compression!r} needs strategy='ps' (strategy="
-                         f"{strategy!r} is the uncompressed reference)")
-    numbers = [("num_cpus_per_worker", num_cpus_per_worker), ("step_timeout_s", step_timeout_s),
-               ("start_timeout_s", start_timeout_s)]
-    if stall_warning_s is not None:
-        numbers.append(("stall_warning_s", stall_warning_s))
-    for name, value in numbers:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
-    if on_nonfinite not in constants.ON_NONFINITE:
-        raise ValueError(f"on_nonfinite must be one of {list(constants.ON_NONFINITE)}, "
-                         f"got {on_nonfinite!r}")
-    if isinstance(max_failures, bool) or not isinstance(max_failures, (int, np.integer)) \
-            or max_failures < 0:
-        raise ValueError(f"max_failures must be an int >= 0, got {max_failures!r}")
-    if not isinstance(elastic, bool):
-        raise TypeError(f"elastic must be True or False, got {elastic!r}")
+def _bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _one_of(name: str, value, accepted) -> None:
+    if not isinstance(value, str) or value not in accepted:
+        raise ValueError(f"{name} must be one of {list(accepted)}, got {value!r}")

@@ -7,25 +7,18 @@ COMPRESSIONS = {"fp16": "float16", "bf16": "bfloat16"}
 ALL_REDUCE_ALGS = ("simple", "tree", "nccl")
 
 DEFAULT_GRAD_SHARD_BYTES = 10_000_000
-# Under strategy "ps", the shards of one PS travel as one object per worker and
-# step, in groups of at most this many bytes (None: one group per PS); see
-# sharding.group_shards.
-SHARD_GROUP_MAX_BYTES = None
-# Strategy "ps": each worker applies every PS group's mean as soon as it is in the
-# store (Worker.apply_staged) instead of waiting for all of them, where the
-# optimizers allow it (replicas.per_group_blocker). False: one apply per step.
-APPLY_PER_GROUP = True
 # Seconds a worker waits for a PS mean beyond the driver's own deadline, so that a
 # late PS surfaces as the driver's StepTimeoutError.
 WORKER_WAIT_MARGIN_S = 5.0
-# One worker, train(): steps per actor call (Worker.local_steps). Ray's cost per
-# call is paid once per this many steps; the progress bar moves in such chunks.
+# One worker, train(): steps per actor call (Worker.local_steps), the default of
+# DistributedSGD(local_steps_per_call=). Ray's cost per call is paid once per
+# this many steps; the progress bar moves in such chunks.
 LOCAL_STEPS_PER_CALL = 8
 # Each worker and PS actor faults in its page-table entries for this many
 # steps' worth of objects at the start of its object-store mapping
 # ((num_workers + 1) x gradient bytes per step; see store.warm).
 STORE_WARM_STEPS = 8
-# ... but at most this many bytes per process (~1 s, 8 MB of page tables), so
+# ... but at most this many bytes per process (8 MB of page tables), so
 # that start-up stays short with very large gradients or many workers.
 STORE_WARM_MAX_BYTES = 4 * 2**30
 # A step that has not finished after this long raises StepTimeoutError.
@@ -55,8 +48,8 @@ PS_NAME_PREFIX = "dsgd-ps-"
 
 # Ray starts worker processes at niceness 15 (`RAY_worker_niceness`) so that its
 # daemons stay responsive; a training process then loses the CPU to every
-# nice-0 process and ran a plain ResNet-50 step 5 % slower than the same step in
-# the driver (2-core machine). dsgd's actors run at 0, like a plain training
+# nice-0 process and runs slower than the same step in the driver
+# (benchmarks/results/MEASUREMENTS.md). dsgd's actors run at 0, like a plain training
 # process (Ray's worker lowers its own priority at start-up; at 0 it simply
 # does not, so no privilege is needed). Merged with the job's runtime_env env_vars by Ray.
 ACTOR_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}

@@ -6,7 +6,16 @@ class DsgdError(RuntimeError):
 
 
 class StepTimeoutError(DsgdError, TimeoutError):
-    """A remote call did not answer in time; the message names who and what."""
+    """A remote call did not answer in time; the message names who and what.
+    `late` holds the actor handles that did not answer (empty when the wait
+    was not on actors), which the driver kills and replaces with replace_hung."""
+
+    def __init__(self, message: str, late=()):
+        super().__init__(message)
+        self.late = list(late)
+
+    def __reduce__(self):
+        return type(self), (str(self),)  # handles do not travel with the error
 
 
 class ResourceError(DsgdError, ValueError):
@@ -22,4 +31,6 @@ class CheckpointError(DsgdError, ValueError):
 
 
 class NonFiniteError(DsgdError, FloatingPointError):
-    """A gradient had NaN or Inf; names the step, worker and replica. Nothing was applied."""
+    """A gradient had NaN or Inf; names the step, worker and replica, and says
+    whether the update was applied: with several workers no weight changed;
+    with one worker the check runs alongside the update, which was applied."""

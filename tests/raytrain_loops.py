@@ -12,6 +12,7 @@ def exactness_loop(config):
     """Shards, ranks, DistributedGradientTape (SGD+momentum, Adam, in tf.function)
     and DistributedOptimizer + model.fit; every worker saves what it saw and its
     weights under config["out"]; rank 0 reports metrics and a checkpoint."""
+    import ray
     import ray.train
     import tensorflow as tf
 
@@ -21,7 +22,14 @@ def exactness_loop(config):
     rank, world = context.get_world_rank(), context.get_world_size()
     ids = [int(i) for batch in ray.train.get_dataset_shard("train").iter_batches(batch_size=7)
            for i in batch["id"]]
-    saved = {"ids": np.array(ids), "world": np.array(world)}
+    from dsgd.train import exchange
+
+    saved = {"ids": np.array(ids), "world": np.array(world),
+             # each PS actor's classes (Ray subclasses the actor's class)
+             "ps_classes": np.array(ray.get(
+                 [ps.__ray_call__.remote(lambda p: ",".join(f"{c.__module__}.{c.__qualname__}"
+                                                            for c in type(p).__mro__))
+                  for ps in exchange.context()["ps"]], timeout=60))}
     for name in ("sgdm", "adam"):
         model, optimizer = tiny.make_keras_model(seed=rank), tiny.make_optimizer(name)
         dt.broadcast_variables(model.trainable_variables, root_rank=0)

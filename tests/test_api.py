@@ -36,7 +36,7 @@ def sgd2x2(ray_local):
 
 
 def test_actor_names_and_shutdown(sgd2x2):
-    names = [n for n in dsgd_actor_names() if n.endswith(sgd2x2._suffix)]
+    names = [n for n in dsgd_actor_names() if n.endswith(sgd2x2.instance_id)]
     assert [n.rsplit("-", 1)[0] for n in names] == [
         "dsgd-ps-0", "dsgd-ps-1", "dsgd-worker-0", "dsgd-worker-1"]
 
@@ -71,7 +71,7 @@ def test_set_weights_broadcasts(sgd2x2):
     new = [np.full_like(w, 0.5) for w in sgd2x2.get_weights()]
     sgd2x2.set_weights(new)
     for weights in sgd2x2.foreach_model(lambda m: m.get_weights()):
-        for a, b in zip(weights, new):
+        for a, b in zip(weights, new, strict=True):
             np.testing.assert_array_equal(a, b)
 
 
@@ -87,14 +87,14 @@ def test_checkpoint_round_trip_to_other_worker_count(sgd2x2, tmp_path):
     assert int(saved_opt[0]) == saved_step  # Adam's iteration count
     sgd2x2.step()
     with dsgd.DistributedSGD(tiny.creator(2, 4, "adam"), 1, 2, gpu=False) as other:
-        suffix = other._suffix
+        suffix = other.instance_id
         other.restore_checkpoint(path)
         assert other.steps_done == saved_step
         for weights in other.foreach_model(lambda m: m.get_weights()):
-            for a, b in zip(weights, saved_weights):
+            for a, b in zip(weights, saved_weights, strict=True):
                 np.testing.assert_array_equal(a, b)
         for state in optimizer_state(other):
-            for a, b in zip(state, saved_opt):
+            for a, b in zip(state, saved_opt, strict=True):
                 np.testing.assert_array_equal(a, b)
     # Leaving the `with` block killed its actors.
     assert wait_until(lambda: not [n for n in dsgd_actor_names() if n.endswith(suffix)])
@@ -103,7 +103,7 @@ def test_checkpoint_round_trip_to_other_worker_count(sgd2x2, tmp_path):
 
     plain = tiny.make_keras_model(seed=123)
     tf.train.Checkpoint(weights=plain.weights).read(dsgd.engine.checkpoints.tf_prefix(path)).expect_partial()
-    for a, b in zip(plain.get_weights(), saved_weights):
+    for a, b in zip(plain.get_weights(), saved_weights, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -129,7 +129,7 @@ def test_mismatched_checkpoint_changes_nothing(sgd2x2, tmp_path):
     before = sgd2x2.get_weights()
     with pytest.raises(dsgd.ModelMismatchError, match=r"weights\[0\] has shape \(5, 9\)"):
         sgd2x2.restore_checkpoint(path)
-    for a, b in zip(sgd2x2.get_weights(), before):
+    for a, b in zip(sgd2x2.get_weights(), before, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -149,7 +149,7 @@ def test_keras_model_on_tf_data_learns():
         losses = [sgd.step(fetch_stats=True)["loss"] for _ in range(40)]
         assert losses[-1] < 0.1 * losses[0]
         a, b = sgd.foreach_model(lambda m: m.get_weights())
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             np.testing.assert_array_equal(x, y)
 
 
@@ -180,7 +180,8 @@ def test_stuck_step_times_out_naming_the_worker(caplog):
         start = time.monotonic()
         with pytest.raises(dsgd.StepTimeoutError, match=r"step 2.*dsgd-worker-1-"):
             sgd.step()
-        assert time.monotonic() - start < 3 + 2
+        # At the 3 s timeout, not after the hung get_batch's 60 s (generous: a busy machine).
+        assert time.monotonic() - start < 30
     # The stall report came first, naming the worker, while the step was still waiting.
     stalls = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stall:")]
     assert not [m for m in stalls if "starting" in m]  # start-up reports only after 30 s

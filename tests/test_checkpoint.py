@@ -41,7 +41,7 @@ def sgd():
 
 
 def weights_equal(a, b):
-    return all(np.array_equal(x, y) for x, y in zip(a, b))
+    return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("crash_at", [1, 2, 3])  # after data written / after index / before commit

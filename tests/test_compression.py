@@ -105,10 +105,10 @@ def test_wire_dtypes_per_variable():
 def test_pack_and_unpack_are_the_wire_format(compression):
     shapes, dtypes = [(300,), (5,), (7, 3)], ["float32", "float64", "float32"]
     plan = plan_shards(shapes, dtypes, 256, compression=compression)
-    flat = [wide_range(math.prod(s), k).astype(d) for k, (s, d) in enumerate(zip(shapes, dtypes))]
+    flat = [wide_range(math.prod(s), k).astype(d) for k, (s, d) in enumerate(zip(shapes, dtypes, strict=True))]
     packed = plan.pack(flat)
     assert [a.dtype for a in packed] == [s.wire_numpy_dtype for s in plan.shards]
-    for got, want, shape, dtype in zip(plan.unpack(packed), flat, shapes, dtypes):
+    for got, want, shape, dtype in zip(plan.unpack(packed), flat, shapes, dtypes, strict=True):
         assert got.shape == shape and got.dtype == np.dtype(dtype)
         if dtype == "float32":
             want = want.astype(WIRE[compression]).astype(np.float32)
@@ -151,7 +151,7 @@ def test_read_op_widens_large_shards_on_several_threads():
 def test_read_op_widens_16_bit_shards_to_float32(compression):
     shapes, dtypes = [(300,), (5,), (0,), (7, 3)], ["float32", "float64", "float32", "float32"]
     plan = plan_shards(shapes, dtypes, 256, compression=compression)
-    flat = [wide_range(math.prod(s), k).astype(d) for k, (s, d) in enumerate(zip(shapes, dtypes))]
+    flat = [wide_range(math.prod(s), k).astype(d) for k, (s, d) in enumerate(zip(shapes, dtypes, strict=True))]
     shards = []
     for shard in plan.shards:
         out = np.zeros(shard.num_elements, shard.wire_numpy_dtype)
@@ -163,7 +163,7 @@ def test_read_op_widens_16_bit_shards_to_float32(compression):
         shards.append(out)
     addresses = tf.constant([dlpack.buffer_address(a) for a in shards], tf.int64)
     sizes = tf.constant([a.nbytes for a in shards], tf.int64)
-    for out, want, shape, dtype in zip(ops.read_shards(addresses, sizes, plan), flat, shapes, dtypes):
+    for out, want, shape, dtype in zip(ops.read_shards(addresses, sizes, plan), flat, shapes, dtypes, strict=True):
         assert tuple(out.shape) == shape and out.dtype == tf.as_dtype(dtype)
         if dtype == "float32":
             want = want.astype(WIRE[compression]).astype(np.float32)
@@ -227,7 +227,7 @@ def test_the_exchange_applies_exactly_the_rounded_mean(compression):
                 assert not np.array_equal(mean, plain)  # the rounding shows: the test can tell
                 expected[k] = expected[k] - mean.reshape(expected[k].shape)
         for weights in sgd.foreach_model(lambda m: [m.w.numpy(), m.b.numpy()]):
-            for got, want in zip(weights, expected):
+            for got, want in zip(weights, expected, strict=True):
                 np.testing.assert_array_equal(got, want)
 
 
@@ -241,7 +241,9 @@ def test_an_fp16_overflow_is_a_nonfinite_gradient():
         stats = sgd.step(fetch_stats=True)
         assert stats["skipped"] and sgd.skipped_steps == 1
         assert all(np.all(m == 0) for m in sgd.foreach_model(lambda m: m.w.numpy()))
-        sgd.on_nonfinite = "raise"
+    with dsgd.DistributedSGD(lambda w, d: Probe(w, scale=1e6), num_workers=2,
+                             devices_per_worker=1, gpu=False, compression="fp16",
+                             on_nonfinite="raise") as sgd:
         with pytest.raises(NonFiniteError, match=r"step 1: non-finite gradient .* no weights were "
                                                  r"changed.* beyond float16's range .*'bf16'"):
             sgd.step()

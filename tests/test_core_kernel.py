@@ -75,9 +75,9 @@ def test_ps_means_a_group_of_shards_in_one_call():
                   for s in shards for p in s.pieces) for flat in flats]
     ps = ParameterServer(0)
     means = ps.mean(shards, *sent)
-    expected = plan.pack([(a + b) * np.float32(0.5) for a, b in zip(*flats)])
+    expected = plan.pack([(a + b) * np.float32(0.5) for a, b in zip(*flats, strict=True)])
     assert len(means) == 2
-    for mean, j in zip(means, group):
+    for mean, j in zip(means, group, strict=True):
         np.testing.assert_array_equal(mean, expected[j])
     again = ps.mean(shards, *sent)  # scratch reused, one buffer per shard of the group
     assert again[0] is means[0] and again[1] is means[1] and again[0] is not again[1]
@@ -116,7 +116,7 @@ def test_fuse_and_split_round_trip(sizes, max_threads):
     np.testing.assert_array_equal(fused, np.concatenate(parts))
     back = [np.empty_like(p) for p in parts]
     _core.split(fused, back, max_threads)
-    for a, b in zip(parts, back):
+    for a, b in zip(parts, back, strict=True):
         np.testing.assert_array_equal(a, b)
 
 

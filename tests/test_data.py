@@ -86,7 +86,7 @@ def test_downloads_never_exceed_max_concurrency(counter2x2, tmp_path):
         events += [(start, 1), (end, -1)]
     running = np.cumsum([change for _, change in sorted(events)])
     assert len(events) == 2 * N
-    assert running.max() == 3  # parallel, and never more than max_concurrency
+    assert 2 <= running.max() <= 3  # parallel, and never more than max_concurrency
 
 
 def test_download_and_transform_errors_name_the_item_and_rows(counter2x2):

@@ -51,9 +51,19 @@ def test_ray_data_trains_a_model_to_the_expected_result():
         assert last < 0.01 * first
 
 
+def driver_state(sgd):
+    """Every attribute of a DistributedSGD, by identity (it has no __dict__: its
+    slots are all it can hold, each made in __init__)."""
+    assert not hasattr(sgd, "__dict__")
+    return {name: id(getattr(sgd, name)) for name in type(sgd).__slots__}
+
+
 def test_a_worker_killed_mid_epoch_restarts_the_split(tmp_path):
+    """Also: the driver's state objects stay the ones __init__ made, through steps,
+    train(dataset=...), a worker's death and recovery, and a checkpoint round trip."""
     ds = ray.data.range(N).map_batches(lambda b: {"x": np.eye(N, dtype=np.float32)[b["id"]]})
     with dsgd.DistributedSGD(Counter, 2, 1, gpu=False, step_timeout_s=120) as sgd:
+        state = driver_state(sgd)
         reset(sgd)
         summary = sgd.train(dataset=dsgd.Dataset(ds, batch_size=4,
                                                  transform=Misbehave("kill", str(tmp_path / "k"), 3)),
@@ -62,3 +72,12 @@ def test_a_worker_killed_mid_epoch_restarts_the_split(tmp_path):
         # Every applied step trained on one full batch per worker, whatever the epoch's
         # restart re-read: 10 steps x 2 workers x 4 rows.
         assert counts(sgd).sum() == 80 and counts(sgd).min() >= 0
+        sgd.save_checkpoint(str(tmp_path / "ckpt"))
+        weights = sgd.get_weights()
+        sgd.train(dataset=dsgd.Dataset(ds, batch_size=4), num_steps=2)
+        assert sgd.steps_done == 12
+        sgd.restore_checkpoint(str(tmp_path / "ckpt"))
+        assert sgd.steps_done == 10
+        for got, want in zip(sgd.get_weights(), weights, strict=True):
+            np.testing.assert_array_equal(got, want)
+        assert driver_state(sgd) == state

@@ -37,7 +37,7 @@ def train(num_workers, devices, strategy, optimizer, shard_bytes=10_000_000, num
             per_replica = sgd.foreach_model(lambda m: m.get_weights())
             assert len(per_replica) == num_workers * devices
             for weights in per_replica[1:]:
-                for a, b in zip(per_replica[0], weights):
+                for a, b in zip(per_replica[0], weights, strict=True):
                     np.testing.assert_array_equal(a, b)  # bit-identical, not just close
         plan = sgd.plan
         info = {"num_shards": plan.num_shards, "num_ps": len(sgd.ps_actors),
@@ -65,11 +65,11 @@ def test_matches_single_process_training(workers, devices, strategy, optimizer, 
                                        num_ps, alg)
     expected, expected_losses = tiny.reference_run(initial, workers * devices, BATCH, STEPS,
                                                    optimizer)
-    for got, want in zip(final, expected):
+    for got, want in zip(final, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
     np.testing.assert_allclose(losses, expected_losses, rtol=0, atol=TOL)
     # The weights must actually move, or the comparison above proves nothing.
-    assert max(np.abs(a - b).max() for a, b in zip(final, initial)) > 1e-2
+    assert max(np.abs(a - b).max() for a, b in zip(final, initial, strict=True)) > 1e-2
     if strategy == "ps" and workers > 1 and shard_bytes == 64:
         assert info["num_shards"] == 7 and info["num_ps"] == 1  # more shards than PS actors
         assert info["split"]
@@ -81,7 +81,7 @@ def test_simple_and_ps_agree():
     # The two 2x2 Adam runs with the tree allreduce of CASES (trained there already).
     _, simple, simple_losses, _ = run(2, 2, "simple", "adam", 10_000_000, None, "tree")
     _, ps, ps_losses, _ = run(2, 2, "ps", "adam", 100, 2, "tree")
-    for a, b in zip(simple, ps):
+    for a, b in zip(simple, ps, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=TOL)
     np.testing.assert_allclose(simple_losses, ps_losses, rtol=0, atol=TOL)
 
@@ -89,7 +89,7 @@ def test_simple_and_ps_agree():
 @pytest.mark.parametrize("workers,devices", [(1, 2), (2, 1)])
 def test_train_with_a_step_in_flight_matches_single_process_training(workers, devices):
     """train(num_steps) submits each next step before the last one's result is back
-    (dsgd/engine/steps.py); the weights are still those of steps run one at a time."""
+    (dsgd/engine/loop.py); the weights are still those of steps run one at a time."""
     with dsgd.DistributedSGD(tiny.creator(devices, BATCH, "adam"), workers, devices, gpu=False,
                              grad_shard_bytes=128) as sgd:
         initial = sgd.get_weights()
@@ -98,31 +98,28 @@ def test_train_with_a_step_in_flight_matches_single_process_training(workers, de
         final = sgd.get_weights()
         replicas = sgd.foreach_model(lambda m: m.get_weights())
     expected, losses = tiny.reference_run(initial, workers * devices, BATCH, STEPS + 2, "adam")
-    for got, want in zip(final, expected):
+    for got, want in zip(final, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
     assert summary["loss"] == pytest.approx(float(np.mean(losses)), abs=TOL)
     for weights in replicas[1:]:
-        for a, b in zip(replicas[0], weights):
+        for a, b in zip(replicas[0], weights, strict=True):
             np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("most,steps", [(3, 7), (None, 40)])
 def test_one_worker_train_in_calls_of_several_steps_matches_single_process_training(
-        most, steps, monkeypatch):
+        most, steps):
     """One worker, train(): several steps per actor call, the next call queued
-    behind the current one (dsgd/engine/steps.py run_local): 7 steps in calls of 3, 3
+    behind the current one (dsgd/engine/loop.py, LocalSteps): 7 steps in calls of 3, 3
     and 1, or 40 in calls of the default size, are the steps of one model."""
-    from dsgd import constants
-
-    if most is not None:
-        monkeypatch.setattr(constants, "LOCAL_STEPS_PER_CALL", most)
-    with dsgd.DistributedSGD(tiny.creator(2, BATCH, "adam"), 1, 2, gpu=False) as sgd:
+    options = {} if most is None else {"local_steps_per_call": most}
+    with dsgd.DistributedSGD(tiny.creator(2, BATCH, "adam"), 1, 2, gpu=False, **options) as sgd:
         initial = sgd.get_weights()
         summary = sgd.train(num_steps=steps)
         assert summary["steps"] == steps and sgd.steps_done == steps
         assert summary["step_s"] > 0 and summary["num_samples"] == steps * 2 * BATCH
         final = sgd.get_weights()
     expected, losses = tiny.reference_run(initial, 2, BATCH, steps, "adam")
-    for got, want in zip(final, expected):
+    for got, want in zip(final, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
     assert summary["loss"] == pytest.approx(float(np.mean(losses)), abs=TOL)

@@ -1,4 +1,7 @@
-"""The README's main job, run briefly: it trains, reports and its replicas agree."""
+"""The examples, run briefly: each trains, reports and its replicas agree.
+
+Each run starts its own workers on the shared cluster and takes 15-40 s: they
+are marked `slow` (`python -m pytest -m slow`; `.ci/run` runs them)."""
 
 import json
 
@@ -11,6 +14,7 @@ from dsgd.examples import identity, mnist, recovery
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 
 
+@pytest.mark.slow
 def test_mnist_example_runs_and_learns(capsys):
     result = mnist.main(["--steps", "12", "--eval-every", "6", "--batch-size", "32",
                          "--strategy", "ps"])
@@ -28,8 +32,15 @@ def test_mnist_data_split_is_fixed_and_disjoint():
     assert x_train.shape == (4000, 28, 28, 1) and x_test.shape == (1000, 28, 28, 1)
     assert sorted(set(y_test.tolist())) == list(range(10))
     assert 0.0 <= x_train.min() and x_train.max() <= 1.0
+    # Disjoint: no test image is a training image; fixed: a second load is the same split.
+    train_images = {image.tobytes() for image in x_train}
+    assert not [k for k, image in enumerate(x_test) if image.tobytes() in train_images]
+    again = mnist.load_mnist()
+    for a, b in zip(again, (x_train, y_train, x_test, y_test), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_recovery_example_matches_the_uninterrupted_run(capsys):
     result = recovery.main(["--steps", "6", "--kill-worker-at", "2", "--kill-ps-at", "4"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
@@ -37,6 +48,7 @@ def test_recovery_example_matches_the_uninterrupted_run(capsys):
     assert all(s > 0 for s in result["recovery_s"])
 
 
+@pytest.mark.slow
 def test_identity_example_runs_the_seed_usages(capsys):
     result = identity.main(["--epochs", "2", "--steps", "30"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
@@ -47,6 +59,7 @@ def test_identity_example_runs_the_seed_usages(capsys):
     assert result["dataset2_loss"] < 0.01 and abs(result["f(0.5)"] - 0.5) < 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["files", "ray-data"])
 def test_mnist_example_from_png_files(capsys, tmp_path_factory, source):
     directory = tmp_path_factory.getbasetemp() / "mnist_png"  # written once, shared
@@ -59,6 +72,7 @@ def test_mnist_example_from_png_files(capsys, tmp_path_factory, source):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
 
 
+@pytest.mark.slow
 def test_trainer_mnist_example_trains_saves_and_reloads(capsys, tmp_path):
     from dsgd.examples import trainer_mnist
 
@@ -71,6 +85,7 @@ def test_trainer_mnist_example_trains_saves_and_reloads(capsys, tmp_path):
     assert list(tmp_path.glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_dcgan_example_trains_two_models_and_saves_digits(capsys, tmp_path):
     from dsgd.examples import dcgan
 
@@ -81,6 +96,7 @@ def test_dcgan_example_trains_two_models_and_saves_digits(capsys, tmp_path):
     assert np.isfinite(result["epochs"][0]["loss_d"]) and np.isfinite(result["epochs"][0]["loss_g"])
 
 
+@pytest.mark.slow
 def test_tune_mnist_example_runs_its_trials(capsys):
     from dsgd.examples import tune_mnist
 
@@ -90,6 +106,7 @@ def test_tune_mnist_example_runs_its_trials(capsys):
     assert result["best_val_accuracy"] > 0.5
 
 
+@pytest.mark.slow
 def test_raytrain_mnist_example_fits_with_model_fit(capsys, tmp_path):
     from dsgd.examples import raytrain_mnist
 

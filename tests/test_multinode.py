@@ -9,7 +9,7 @@ from ray.cluster_utils import Cluster
 import dsgd
 import tiny
 
-pytestmark = pytest.mark.multinode
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
 BATCH, STEPS = 4, 3
 NODE_STORE_BYTES = 100 * 2**20
@@ -50,11 +50,11 @@ def test_exact_across_nodes(two_nodes, strategy, shard_bytes, tmp_path):
         sgd.restore_checkpoint(path)
         restored = sgd.foreach_model(lambda m: m.get_weights())
     expected, expected_losses = tiny.reference_run(initial, 4, BATCH, STEPS, "sgdm")
-    for got, want in zip(final, expected):
+    for got, want in zip(final, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     np.testing.assert_allclose(losses, expected_losses, rtol=0, atol=1e-5)
     for weights in replicas + restored:
-        for a, b in zip(weights, final):
+        for a, b in zip(weights, final, strict=True):
             np.testing.assert_array_equal(a, b)
 
 
@@ -83,9 +83,9 @@ def test_node_lost_mid_training_is_recovered_exactly(two_nodes):
     expected, _, _ = run()
     got, failures, replicas = run(lose_node_at=2)
     assert len(failures) == 1 and "died" in failures[0]["reason"], failures
-    for a, b in zip(got, expected):
+    for a, b in zip(got, expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     for weights in replicas:
-        for a, b in zip(weights, got):
+        for a, b in zip(weights, got, strict=True):
             np.testing.assert_array_equal(a, b)
     del spare

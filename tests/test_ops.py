@@ -45,7 +45,7 @@ def test_round_trip_is_bit_exact(dtype, shapes, shard_bytes):
     flat = random_flat(shapes, dtype)
     shards = plan.pack(flat)  # must outlive the outputs: they may alias it
     outputs = read(shards, plan)
-    for out, want, shape in zip(outputs, flat, shapes):
+    for out, want, shape in zip(outputs, flat, shapes, strict=True):
         assert tuple(out.shape) == shape and out.dtype == tf.as_dtype(dtype)
         np.testing.assert_array_equal(out.numpy().reshape(-1).view(np.uint8), want.view(np.uint8))
 
@@ -54,9 +54,9 @@ def test_tensor_split_across_shards_and_mixed_dtypes():
     shapes, dtypes = [(300,), (5,), (40,)], ["float32", "float64", "float32"]
     plan = plan_shards(shapes, dtypes, 256)
     assert len(plan.pieces_of(0)) > 1  # split
-    flat = [random_flat([s], d, seed=i)[0] for i, (s, d) in enumerate(zip(shapes, dtypes))]
+    flat = [random_flat([s], d, seed=i)[0] for i, (s, d) in enumerate(zip(shapes, dtypes, strict=True))]
     shards = plan.pack(flat)
-    for out, want in zip(read(shards, plan), flat):
+    for out, want in zip(read(shards, plan), flat, strict=True):
         np.testing.assert_array_equal(out.numpy().reshape(-1), want)
 
 
@@ -72,7 +72,7 @@ def test_read_inside_tf_function():
 
     outs = double(tf.constant([dlpack.buffer_address(a) for a in shards], tf.int64),
                   tf.constant([a.nbytes for a in shards], tf.int64))
-    for out, want in zip(outs, flat):
+    for out, want in zip(outs, flat, strict=True):
         np.testing.assert_array_equal(out.numpy().reshape(-1), 2 * want)
 
 
@@ -103,7 +103,7 @@ def test_misaligned_memory_is_copied_not_wrapped():
     assert dlpack.buffer_address(shard) % 64 == 4
     outputs = read([shard], plan)
     base, end = dlpack.buffer_address(shard), dlpack.buffer_address(shard) + shard.nbytes
-    for out, want in zip(outputs, flat):
+    for out, want in zip(outputs, flat, strict=True):
         address = dlpack.buffer_address(dlpack.tensor_view(out))
         assert not base <= address < end
         np.testing.assert_array_equal(out.numpy().reshape(-1), want)

@@ -12,8 +12,7 @@ import pytest
 import ray
 
 import dsgd
-from dsgd import constants
-from dsgd.engine import recovery, steps
+from dsgd.engine.recovery import Recovery
 from dsgd.worker.replicas import _last_group_of_variables, per_group_blocker
 import tiny
 
@@ -26,16 +25,15 @@ def make(creator, **kwargs):
                                step_timeout_s=120, **kwargs)
 
 
-def run(creator, per_group: bool, monkeypatch, steps_to_run=STEPS):
+def run(creator, per_group: bool, steps_to_run=STEPS):
     """(initial weights, final weights, every replica's optimizer variables, sgd facts)."""
-    monkeypatch.setattr(constants, "APPLY_PER_GROUP", per_group)
-    with make(creator) as sgd:
+    with make(creator, apply_per_group=per_group) as sgd:
         initial = sgd.get_weights()
         for _ in range(steps_to_run):
             sgd.step()
         plan, groups = sgd.plan, sgd.shard_groups
         last = _last_group_of_variables(plan, groups)
-        facts = {"per_group": steps.per_group(sgd), "groups": len(groups),
+        facts = {"per_group": sgd.applies_per_group, "groups": len(groups),
                  "split_across_groups": any(
                      len({g for g, shards in enumerate(groups) for j, _ in plan.pieces_of(v)
                           if j in shards}) > 1 for v in range(len(plan.shapes))),
@@ -50,53 +48,51 @@ pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 
 
 @pytest.mark.parametrize("optimizer", ["adam_schedule", "adamw_schedule"])
-def test_adam_with_a_schedule_per_group_equals_one_apply_and_the_reference(optimizer,
-                                                                            monkeypatch):
+def test_adam_with_a_schedule_per_group_equals_one_apply_and_the_reference(optimizer):
     creator = tiny.creator(1, BATCH, optimizer)
-    initial, staged, staged_state, facts = run(creator, True, monkeypatch)
+    initial, staged, staged_state, facts = run(creator, True)
     assert facts["per_group"] and facts["blocker"] is None
     assert facts["groups"] == 2 and facts["stages"] == 2 and facts["split_across_groups"]
-    _, whole, whole_state, whole_facts = run(creator, False, monkeypatch)
+    _, whole, whole_state, whole_facts = run(creator, False)
     assert not whole_facts["per_group"]
-    for a, b in zip(staged, whole):
+    for a, b in zip(staged, whole, strict=True):
         np.testing.assert_array_equal(a, b)  # bit for bit
-    for worker_staged, worker_whole in zip(staged_state, whole_state):
-        for replica_staged, replica_whole in zip(worker_staged, worker_whole):
-            for a, b in zip(replica_staged, replica_whole):
+    for worker_staged, worker_whole in zip(staged_state, whole_state, strict=True):
+        for replica_staged, replica_whole in zip(worker_staged, worker_whole, strict=True):
+            for a, b in zip(replica_staged, replica_whole, strict=True):
                 np.testing.assert_array_equal(a, b)  # iterations and every slot
     # The iteration count was held between the groups: one per step, not one per group.
     iterations = [replica[0] for worker in staged_state for replica in worker]
     assert all(int(i) == STEPS for i in iterations)
     expected, _ = tiny.reference_run(initial, 2, BATCH, STEPS, optimizer)
-    for got, want in zip(staged, expected):
+    for got, want in zip(staged, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
-    assert max(np.abs(a - b).max() for a, b in zip(staged, initial)) > 1e-2
+    assert max(np.abs(a - b).max() for a, b in zip(staged, initial, strict=True)) > 1e-2
 
 
-def test_two_optimizers_per_group_equal_one_apply(monkeypatch):
+def test_two_optimizers_per_group_equal_one_apply():
     creator = lambda w, d: tiny.TwoOptimizerModel(w, d, 1, BATCH)  # noqa: E731
-    initial, staged, staged_state, facts = run(creator, True, monkeypatch)
+    initial, staged, staged_state, facts = run(creator, True)
     assert facts["per_group"] and facts["stages"] == 2
     # Adam (layer 2: variables 2 and 3) is applied in both stages, so its count is held.
     assert len({facts["last"][2], facts["last"][3]}) == 2
-    _, whole, whole_state, _ = run(creator, False, monkeypatch)
-    for a, b in zip(staged, whole):
+    _, whole, whole_state, _ = run(creator, False)
+    for a, b in zip(staged, whole, strict=True):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(staged_state[0][0], whole_state[0][0]):
+    for a, b in zip(staged_state[0][0], whole_state[0][0], strict=True):
         np.testing.assert_array_equal(a, b)
     # Both optimizers counted one iteration per step.
     counts = sorted(int(np.asarray(v)) for v in staged_state[0][0] if np.asarray(v).ndim == 0
                     and np.asarray(v).dtype.kind == "i")
     assert counts == [STEPS, STEPS]
-    assert max(np.abs(a - b).max() for a, b in zip(staged, initial)) > 1e-2
+    assert max(np.abs(a - b).max() for a, b in zip(staged, initial, strict=True)) > 1e-2
 
 
-def test_global_clipnorm_applies_the_step_at_once_and_stays_exact(monkeypatch):
-    initial, final, _, facts = run(tiny.creator(1, BATCH, "adam_global_clipnorm"), True,
-                                   monkeypatch)
+def test_global_clipnorm_applies_the_step_at_once_and_stays_exact():
+    initial, final, _, facts = run(tiny.creator(1, BATCH, "adam_global_clipnorm"), True)
     assert not facts["per_group"] and "global_clipnorm" in facts["blocker"]
     expected, _ = tiny.reference_run(initial, 2, BATCH, STEPS, "adam_global_clipnorm")
-    for got, want in zip(final, expected):
+    for got, want in zip(final, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
@@ -108,19 +104,18 @@ def assert_as_uninterrupted(final, replicas, uninterrupted) -> None:
     """Bit for bit: the weights of the uninterrupted run, the same on every replica."""
     for got, want in zip(final, uninterrupted, strict=True):
         np.testing.assert_array_equal(got, want)
-    for a, b in zip(*replicas):
+    for a, b in zip(*replicas, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("last_group", [True, False])
-def test_a_ps_dead_mid_step_the_workers_compute_its_mean(last_group, monkeypatch):
+def test_a_ps_dead_mid_step_the_workers_compute_its_mean(last_group):
     """A PS is dead when step 3 starts (train(), step 4 in flight): the workers
     apply group by group, compute that PS's mean themselves from the gradients
     in the store, and complete the step; the driver then replaces the PS (a
     recovered failure, the step not retried). With the PS of the last group,
     group 0 is applied before the mean is found missing. The weights are those
     of an uninterrupted run, bit for bit."""
-    monkeypatch.setattr(constants, "APPLY_PER_GROUP", True)
     with make(keyed) as sgd:
         for _ in range(4):
             sgd.step()
@@ -128,7 +123,7 @@ def test_a_ps_dead_mid_step_the_workers_compute_its_mean(last_group, monkeypatch
     with make(keyed) as sgd:
         sgd.step()
         sgd.step()
-        assert steps.per_group(sgd)
+        assert sgd.applies_per_group
         group = sgd.shard_groups[-1 if last_group else 0]
         dead = sgd.ps_assignment[group[0]]
         os.kill(ray.get(sgd.ps_actors[dead].ping.remote(), timeout=60)["pid"], signal.SIGKILL)
@@ -173,13 +168,12 @@ class _Gone:
         return None
 
 
-def test_a_worker_that_cannot_finish_a_partly_applied_step_exits(monkeypatch):
+def test_a_worker_that_cannot_finish_a_partly_applied_step_exits():
     """Worker.apply_staged's rule when a group's mean can be neither read nor
     computed (its PS and the gradients both gone): having applied nothing it
     raises and lives on, its step count unchanged; having applied an earlier
     group it exits, since its weights would be neither the step's nor the last
     (the driver then recovers it as a dead worker)."""
-    monkeypatch.setattr(constants, "APPLY_PER_GROUP", True)
     start = dsgd.comm.store.settled_usage()
     gone = _Gone.remote()
     ray.get(gone.value.remote(), timeout=60)
@@ -194,7 +188,7 @@ def test_a_worker_that_cannot_finish_a_partly_applied_step_exits(monkeypatch):
         pytest.fail("the killed actor still answers")
     with make(keyed) as sgd:
         sgd.step()
-        assert steps.per_group(sgd)
+        assert sgd.applies_per_group
         groups = tuple(tuple(g) for g in sgd.shard_groups)
         assert len(groups) == 2
         worker = sgd.workers[0]
@@ -240,17 +234,16 @@ def test_a_worker_found_dead_after_a_ps_fallback_resubmits_the_step_ahead(monkey
     the PS (killed here just before it looks). Recovery copies worker 0's state
     to a replacement, between steps (nothing retried), and step 4, submitted to
     the old workers, is submitted again: the run ends as an uninterrupted one."""
-    monkeypatch.setattr(constants, "APPLY_PER_GROUP", True)
     with make(keyed) as sgd:
         for _ in range(5):
             sgd.step()
         uninterrupted = sgd.get_weights()
 
-    real, killed = recovery.replace_dead_ps, []
+    real, killed = Recovery.replace_dead_ps, []
 
-    def worker_dies_first(sgd, groups):
+    def worker_dies_first(recovery, groups):
         if not killed:
-            handle = sgd.workers[1]
+            handle = recovery.actors.workers[1]
             os.kill(ray.get(handle.ping.remote(), timeout=60)["pid"], signal.SIGKILL)
             for _ in range(100):
                 try:
@@ -259,9 +252,9 @@ def test_a_worker_found_dead_after_a_ps_fallback_resubmits_the_step_ahead(monkey
                     break
                 time.sleep(0.1)
             killed.append(1)
-        real(sgd, groups)
+        real(recovery, groups)
 
-    monkeypatch.setattr(recovery, "replace_dead_ps", worker_dies_first)
+    monkeypatch.setattr(Recovery, "replace_dead_ps", worker_dies_first)
     with make(keyed) as sgd:
         sgd.step()
         sgd.step()

@@ -48,6 +48,10 @@ def test_shards_ranks_and_exact_gradients(tmp_path):
         np.testing.assert_allclose(ranks[0][f"fit_{k}"], want, rtol=0, atol=1e-5)
         np.testing.assert_array_equal(ranks[1][f"fit_{k}"], ranks[0][f"fit_{k}"])
     assert not dsgd_ps_actors()
+    # One exchange: the run's PS actors (one per worker) were the engine's class.
+    classes = [mro.split(",") for mro in ranks[0]["ps_classes"].tolist()]
+    assert len(classes) == 2
+    assert all("dsgd.comm.param_server.ParameterServer" in mro for mro in classes), classes
 
 
 def test_a_worker_killed_mid_fit_restarts_from_the_checkpoint(tmp_path):
@@ -66,12 +70,20 @@ def test_a_worker_killed_mid_fit_restarts_from_the_checkpoint(tmp_path):
     assert not dsgd_ps_actors()
 
 
+def rendezvous_ps(ps_index: int, timeout_s: float):
+    """The engine's PS class, started as the Ray Train backend starts it."""
+    from dsgd.comm.param_server import ParameterServer, rendezvous_concurrency
+
+    return ray.remote(ParameterServer).options(
+        num_cpus=0, max_concurrency=rendezvous_concurrency(2)).remote(
+        ps_index, rendezvous_timeout_s=timeout_s)
+
+
 def test_a_dead_ps_is_an_error_naming_it():
     from dsgd.errors import DsgdError
     from dsgd.train import exchange
-    from dsgd.train.ps import RendezvousPS
 
-    ps = ray.remote(RendezvousPS).options(num_cpus=0).remote(0, 5.0)
+    ps = rendezvous_ps(0, 5.0)
     ray.get(ps.ready.remote(), timeout=60)
     ray.kill(ps)
     ref = ps.broadcast.remote(0, 0, 2, 0, [np.zeros(3)])
@@ -81,13 +93,49 @@ def test_a_dead_ps_is_an_error_naming_it():
 
 
 def test_a_missing_rank_times_out_naming_it():
-    from dsgd.train.ps import RendezvousPS
-
-    ps = ray.remote(RendezvousPS).options(num_cpus=0).remote(3, 1.0)
+    ps = rendezvous_ps(3, 1.0)
     with pytest.raises(ray.exceptions.RayTaskError,
                        match=r"dsgd PS 3: broadcast 0: rank\(s\) \[0\] of 2 did not arrive"):
         ray.get(ps.broadcast.remote(0, 1, 2, 0, None), timeout=60)
     ray.kill(ps)
+
+
+@ray.remote(num_cpus=0)
+def exchange_as_rank(rank, ps, names, compression, arrays):
+    """`exchange.mean` as Ray Train worker `rank` of 2 would call it (the rank
+    comes from here instead of a Ray Train context; PS actors and store are real)."""
+    from dsgd.train import exchange
+
+    exchange.install(ps, names, 64, 30.0, compression)
+    world, exchange.world = exchange.world, lambda: (rank, 2)
+    try:
+        return exchange.mean(arrays)
+    finally:
+        exchange.world = world
+
+
+@pytest.mark.parametrize("compression", [None, "fp16", "bf16"])
+def test_the_exchange_is_the_engines_plan_groups_and_compression(compression):
+    """Mean of two ranks' arrays through 2 PS actors in 64-byte shards (so a
+    variable is split and the groups span both PS), compressed as asked."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    shapes = [(3, 5), (40,), (2,)]
+    per_rank = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in range(2)]
+    ps, names = [rendezvous_ps(j, 30.0) for j in range(2)], ["ps-a", "ps-b"]
+    got = ray.get([exchange_as_rank.remote(r, ps, names, compression, per_rank[r])
+                   for r in range(2)], timeout=120)
+    wire = {None: np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}[compression]
+    for a, b, mean0, mean1 in zip(*per_rank, *got, strict=True):
+        # Each rank's values rounded to the wire type, summed in float32, the mean rounded once.
+        want = ((a.astype(wire).astype(np.float32) + b.astype(wire).astype(np.float32)) * 0.5)
+        want = want.astype(wire).astype(np.float32)
+        np.testing.assert_array_equal(mean0, want)
+        np.testing.assert_array_equal(mean1, mean0)
+        assert mean0.dtype == np.float32
+    for handle in ps:
+        ray.kill(handle)
 
 
 def test_config_errors():
@@ -95,5 +143,7 @@ def test_config_errors():
         dt.DsgdConfig(devices_per_worker=2)
     with pytest.raises(ValueError, match="num_ps must be a positive int or None"):
         dt.DsgdConfig(num_ps=0)
+    with pytest.raises(ValueError, match=r"compression must be None or one of \['fp16', 'bf16'\]"):
+        dt.DsgdConfig(compression="int8")
     with pytest.raises(TypeError, match="dsgd_config must be a dsgd.train.DsgdConfig"):
         dt.DsgdTrainer(lambda: None, dsgd_config={"num_ps": 1})

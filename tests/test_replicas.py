@@ -31,16 +31,16 @@ def test_compute_then_apply_matches_a_plain_step(shard_bytes):
     grads = tape.gradient(loss, reference.trainable_variables)
     expected = plan.pack([g.numpy().reshape(-1) for g in grads])
     assert len(pieces) == len(expected) == plan.num_shards
-    for shard, got, want in zip(plan.shards, pieces, expected):
+    for shard, got, want in zip(plan.shards, pieces, expected, strict=True):
         assert len(got) == len(shard.pieces)
-        for piece, view in zip(shard.pieces, got):
+        for piece, view in zip(shard.pieces, got, strict=True):
             np.testing.assert_allclose(
                 view, want[piece.shard_offset:piece.shard_offset + piece.length], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(losses.numpy(), [loss.numpy()], rtol=1e-6)
 
     replicas.apply(expected)
     tiny.make_optimizer("sgdm").apply_gradients(zip(grads, reference.trainable_variables))
-    for got, want in zip(replicas.replicas[0].get_weights(), reference.get_weights()):
+    for got, want in zip(replicas.replicas[0].get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 

@@ -1,4 +1,4 @@
-"""No object-store leaks: usage after 1,000 steps equals usage after 10."""
+"""No object-store leaks: usage after 300 steps equals usage after 10."""
 
 import os
 import signal
@@ -38,8 +38,11 @@ class MidModel(dsgd.Model):
         return self.batch
 
 
-def train_1000_steps(sgd, baseline, kill_at=()):
-    """10 steps, the drained store usage, 990 more (killing, before step 10 + i
+STEPS = 300  # a leak of one object per step would show ~15x the bound below
+
+
+def train_many_steps(sgd, baseline, kill_at=()):
+    """10 steps, the drained store usage, STEPS - 10 more (killing, before step 10 + i
     for i in `kill_at`, a worker then PS actors), the peak object count while
     training and the drained usage at the end; both must equal `baseline`, the
     store's settled usage before `sgd` existed."""
@@ -48,25 +51,25 @@ def train_1000_steps(sgd, baseline, kill_at=()):
         sgd.step()
     after_10 = store.drained_usage(baseline=baseline)
     peak = 0
-    for i in range(990):
+    for i in range(STEPS - 10):
         if i in kill_at:
             victim = sgd.workers[1] if i == kill_at[0] else sgd.ps_actors[0]
             os.kill(ray.get(victim.ping.remote(), timeout=60)["pid"], signal.SIGKILL)
         sgd.step()
-        if i % 100 == 99:
+        if i % 50 == 49:
             peak = max(peak, store.usage()["num_objects"])
-    after_1000 = store.drained_usage(baseline=baseline)
-    assert sgd.steps_done == 1000
+    after_all = store.drained_usage(baseline=baseline)
+    assert sgd.steps_done == STEPS
     # While training, only the last few steps' objects are in the store (Ray frees
-    # in batches, measured ~8 steps behind at 60 ms/step); a leak would hold ~990 steps' ...
+    # in batches, a few steps behind); a leak would hold ~STEPS steps' ...
     assert peak <= 20 * objects_per_step, (peak, objects_per_step)
     # ... and when nobody holds a reference, everything is freed, after 10 steps as after
-    # 1000: the store holds what it held before this DistributedSGD existed (other
+    # STEPS: the store holds what it held before this DistributedSGD existed (other
     # tests' Ray Data datasets may keep blocks there).
-    assert after_1000 == after_10 == baseline, (baseline, after_10, after_1000)
+    assert after_all == after_10 == baseline, (baseline, after_10, after_all)
 
 
-def test_ps_store_usage_is_flat_over_1000_steps_with_failures_in_between():
+def test_ps_store_usage_is_flat_over_300_steps_with_failures_in_between():
     """Also: every worker and PS actor warmed its store mapping, replacements too."""
     baseline = store.settled_usage()
     with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy="ps", grad_shard_bytes=140_000,
@@ -74,7 +77,7 @@ def test_ps_store_usage_is_flat_over_1000_steps_with_failures_in_between():
         assert sgd.plan.num_shards == 4 and all(s.nbytes > 100_000 for s in sgd.plan.shards)
         want = store.warm_bytes(sgd.plan, 2)
         assert want == 8 * 3 * sum(s.nbytes for s in sgd.plan.shards)
-        train_1000_steps(sgd, baseline, kill_at=(300, 600))  # a worker, then a PS actor
+        train_many_steps(sgd, baseline, kill_at=(100, 200))  # a worker, then a PS actor
         assert len(sgd.failures) == 2
         assert sgd.foreach_worker(lambda w: w.warmed_store_bytes) == [want, want]
         ps = ray.get([p.__ray_call__.remote(lambda p: p.warmed_store_bytes)
@@ -82,10 +85,10 @@ def test_ps_store_usage_is_flat_over_1000_steps_with_failures_in_between():
         assert ps == [want] * len(sgd.ps_actors)
 
 
-def test_simple_store_usage_is_flat_over_1000_steps():
+def test_simple_store_usage_is_flat_over_300_steps():
     baseline = store.settled_usage()
     with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy="simple") as sgd:
-        train_1000_steps(sgd, baseline)
+        train_many_steps(sgd, baseline)
 
 
 def test_warm_faults_in_the_store_mapping_without_touching_data():

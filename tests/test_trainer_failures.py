@@ -20,5 +20,5 @@ def test_a_dead_or_hung_worker_is_replaced_and_the_epoch_completes(action, tmp_p
         assert os.path.exists(config["marker"]) and len(trainer.sgd.failures) == 1
         assert result["num_samples"] == 64 and result["batch_count"] == 4
         a, b = trainer.sgd.foreach_model(lambda m: m.get_weights())
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         np.testing.assert_array_equal(x, y)

@@ -1,26 +1,50 @@
-"""The parameter-server actor: sums one shard from every worker, returns the mean.
+"""The parameter-server actor and where it runs.
 
-Stateless: it holds no model state, so any PS can serve any shard and a dead
-one can simply be replaced. The driver wraps `ParameterServer` with `ray.remote`.
+A PS averages the gradient shards of the groups it owns (one group per PS:
+dsgd/comm/sharding.py `exchange_layout`) over every worker. It holds no model
+state, so any PS can serve any group and a dead one can simply be replaced.
+Both front-ends start this one class, placed by `ps_options`/`ps_nodes`:
+
+- the engine's driver calls `mean` once every worker has written the group
+  (a plain actor: one call at a time, so `mean` reuses its output buffers);
+- in the Ray Train backend (dsgd/train) there is no driver in the step: each
+  worker calls `reduce` (or `broadcast`) itself, and the call blocks until all
+  `world` workers' parts of that exchange have arrived. That actor is started
+  with `max_concurrency` above the number of calls that can wait at once
+  (`rendezvous_concurrency`), so waiting calls do not block each other.
 """
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
+from dsgd import constants
 from dsgd.comm import store
-from dsgd.comm.means import mean_shard, split_group
+from dsgd.comm.means import group_means, mean_shard, split_group
 from dsgd.comm.sharding import Shard
 
 
+def rendezvous_concurrency(world: int) -> int:
+    """`max_concurrency` of a PS serving `world` Ray Train workers: each worker
+    has at most one call of an exchange waiting on it, plus the next exchange's
+    calls of workers that already left, plus liveness probes."""
+    return max(16, 4 * world)
+
+
 class ParameterServer:
-    def __init__(self, ps_index: int, warm_store_bytes: int = 0):
+    def __init__(self, ps_index: int, warm_store_bytes: int = 0,
+                 rendezvous_timeout_s: float = constants.DEFAULT_STEP_TIMEOUT_S):
         self.ps_index = ps_index
         self.warmed_store_bytes = store.warm(warm_store_bytes)
         # Scratch output buffers, reused step after step so that summing never
         # touches fresh pages (first touch costs more than the sum on a VM).
         # Ray copies the returned array into the store before the next call.
         self._scratch: dict = {}
+        self.rendezvous_timeout_s = rendezvous_timeout_s
+        self._arrivals = threading.Condition()
+        self._pending: dict = {}  # (kind, seq) -> _Rendezvous
 
     def ready(self) -> dict:
         import ray
@@ -31,7 +55,7 @@ class ParameterServer:
         """Liveness; runs after every call queued before it."""
         import os
 
-        return {"pid": os.getpid()}
+        return {"pid": os.getpid(), "pending": len(self._pending)}
 
     def mean(self, shards: tuple[Shard, ...], *worker_groups: tuple[np.ndarray, ...]) -> tuple:
         """Mean over every worker of a group of shards. Each worker's group arrives
@@ -51,3 +75,80 @@ class ParameterServer:
             except ValueError as e:
                 raise ValueError(f"PS {self.ps_index}, shard {k} of its group: {e}") from e
         return tuple(out)
+
+    # -- Ray Train: the workers call, the PS matches their calls ---------------
+    def reduce(self, seq: int, rank: int, world: int, shards: tuple[Shard, ...],
+               pieces: tuple[np.ndarray, ...]) -> tuple:
+        """Worker `rank`'s part of exchange `seq`: its pieces of a group of shards
+        (as `mean` takes one worker's group; read-only store views). Blocks
+        until all `world` workers' parts arrived, at most `rendezvous_timeout_s`
+        seconds (then TimeoutError naming the ranks that never came); the last
+        arrival averages (`group_means`, new arrays) and every call returns the
+        mean, one array per shard."""
+        return self._rendezvous(("reduce", seq), rank, world, pieces, range(world),
+                                lambda parts: group_means(shards, [parts[r] for r in range(world)]))
+
+    def broadcast(self, seq: int, rank: int, world: int, root: int, values):
+        """Rank `root`'s `values` (the others pass None), returned to every rank;
+        blocks until the root's call arrived (same timeout as `reduce`)."""
+        return self._rendezvous(("broadcast", seq), rank, world, values, (root,),
+                                lambda parts: parts[root])
+
+    def _rendezvous(self, key: tuple, rank: int, world: int, part, needed, combine):
+        with self._arrivals:
+            meeting = self._pending.setdefault(key, _Rendezvous())
+            meeting.parts[rank] = part
+            last = not meeting.combining and all(r in meeting.parts for r in needed)
+            meeting.combining = meeting.combining or last
+        if last:  # combine outside the lock: other exchanges keep arriving meanwhile
+            try:
+                result, error = combine(meeting.parts), None
+            except Exception as e:  # noqa: BLE001 - every rank gets the error
+                result, error = None, e
+            with self._arrivals:
+                meeting.finish(result, error)
+                self._arrivals.notify_all()
+        with self._arrivals:
+            if not self._arrivals.wait_for(lambda: meeting.done, self.rendezvous_timeout_s):
+                missing = sorted(set(needed) - set(meeting.parts))
+                raise TimeoutError(
+                    f"dsgd PS {self.ps_index}: {key[0]} {key[1]}: rank(s) {missing} of {world} "
+                    f"did not arrive within {self.rendezvous_timeout_s:.0f} s")
+            meeting.served += 1
+            if meeting.served == world:
+                del self._pending[key]
+        if meeting.error is not None:
+            raise meeting.error
+        return meeting.result
+
+
+class _Rendezvous:
+    """One exchange's meeting on a PS: the parts that arrived, then the result."""
+
+    __slots__ = ("parts", "combining", "done", "result", "error", "served")
+
+    def __init__(self):
+        self.parts: dict = {}
+        self.combining = self.done = False
+        self.result = self.error = None
+        self.served = 0
+
+    def finish(self, result, error) -> None:
+        self.result, self.error, self.done = result, error, True
+
+
+def ps_options(node_id: str) -> dict:
+    """Ray options of a PS actor on node `node_id`: hard node affinity (a soft
+    one was seen to fall back to another node although a 0-CPU actor fits), no
+    CPU slot (it must never keep a worker from being scheduled on a small
+    node), niceness 0 like the workers."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"num_cpus": constants.PS_NUM_CPUS, "runtime_env": constants.ACTOR_RUNTIME_ENV,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def ps_nodes(ps_indices: list[int], worker_nodes: list[str]) -> list[str]:
+    """The node of each PS: PS j beside worker j (round-robin), so that every node
+    that sends gradients also sums its share, as in BytePS."""
+    return [worker_nodes[j % len(worker_nodes)] for j in ps_indices]

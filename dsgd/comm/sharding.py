@@ -14,12 +14,15 @@ whole by one shard can be read from it in place, without a copy.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Sequence
 
 import numpy as np
 
 from dsgd import constants
+
+logger = logging.getLogger("dsgd")
 
 
 def itemsize(dtype: str) -> int:
@@ -214,28 +217,26 @@ def assign_shards(shard_nbytes: Sequence[int], num_ps: int) -> list[int]:
     return owner
 
 
-def group_shards(owner: Sequence[int], shard_nbytes: Sequence[int],
-                 max_group_bytes: int | None = None) -> tuple[tuple[int, ...], ...]:
+def group_shards(owner: Sequence[int]) -> tuple[tuple[int, ...], ...]:
     """Which shards travel together as one object-store object: the shards of one
-    PS (`owner[j]` is shard j's PS), in shard order, at most `max_group_bytes` per
-    group (a shard larger than that travels alone; None: no limit, one group per
-    PS). Groups are ordered by their first shard, so every PS gets work early.
+    PS (`owner[j]` is shard j's PS), in shard order; groups are ordered by their
+    first shard, so every PS gets work early. Ray's fixed cost per object
+    (create, seal, pin, report to its owner, free) exceeds copying a large shard
+    (benchmarks/results/MEASUREMENTS.md): grouping keeps shards as the unit
+    of fusion and of the PS sum while cutting the objects per step."""
+    groups: dict[int, list[int]] = {}
+    for j, ps in enumerate(owner):
+        groups.setdefault(ps, []).append(j)
+    return tuple(tuple(g) for g in groups.values())
 
-    Ray's fixed cost per object (create, seal, pin, report to the owner, free)
-    was ~4 ms of CPU across the processes on the 2-core dev machine, more than a
-    10 MB shard's copy; grouping keeps shards as the unit of fusion and of the
-    PS sum while cutting the objects per step."""
-    if len(owner) != len(shard_nbytes):
-        raise ValueError(f"group_shards: {len(owner)} owners but {len(shard_nbytes)} shards")
-    groups: list[list[int]] = []
-    open_group: dict[int, int] = {}  # PS -> index in groups of its open group
-    size: dict[int, int] = {}
-    for j, (ps, nbytes) in enumerate(zip(owner, shard_nbytes)):
-        g = open_group.get(ps)
-        if g is None or (max_group_bytes is not None and size[g] + nbytes > max_group_bytes):
-            open_group[ps] = g = len(groups)
-            groups.append([])
-            size[g] = 0
-        groups[g].append(j)
-        size[g] += nbytes
-    return tuple(tuple(g) for g in groups)
+
+def exchange_layout(plan: ShardPlan, num_ps: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """(the PS of every shard, the shard groups) for `num_ps` PS actors: shards
+    balanced by bytes (`assign_shards`), one group per PS (`group_shards`). The
+    one layout of the engine's "ps" strategy and of the Ray Train exchange."""
+    if num_ps > plan.num_shards:
+        logger.warning("num_ps=%d but the gradients make only %d shard(s); %d PS actor(s) "
+                       "will idle (lower grad_shard_bytes to make more shards)",
+                       num_ps, plan.num_shards, num_ps - plan.num_shards)
+    owner = assign_shards([s.nbytes for s in plan.shards], num_ps)
+    return tuple(owner), group_shards(owner)

@@ -21,7 +21,7 @@ def drained_usage(timeout_s: float = 60.0, interval_s: float = 0.1,
     (default: empty), or the last reading after `timeout_s`.
 
     Ray frees objects asynchronously: right after a step, that step's shards are
-    typically still in the store for about half a second (measured on 2 cores).
+    typically still in the store for a moment (benchmarks/results/MEASUREMENTS.md).
     When nothing holds a reference, the store must drain back to what it held
     before (objects of others, e.g. blocks Ray Data keeps for a dataset); a store
     that does not is leaking."""
@@ -84,7 +84,7 @@ def store_mappings(shared_memory_only: bool = False) -> list[tuple[int, int]]:
 def warm(max_bytes: int) -> int:
     """Fault in this process's page-table entries for the first `max_bytes` of
     every object-store mapping, so that writing or reading an object there later
-    never pays a first-touch page fault. Blocks (~0.25 s per GB measured). Contents are
+    never pays a first-touch page fault. Blocks, in proportion to `max_bytes`. Contents are
     not touched. Returns the bytes populated (0 where madvise cannot do it:
     kernels before 5.14, no mapping yet, or a store Ray put on disk because
     /dev/shm was too small, where populating would write to disk; the store then
@@ -92,8 +92,8 @@ def warm(max_bytes: int) -> int:
 
     Why: Ray places each step's objects wherever its allocator finds room, so
     for the first tens of steps every process kept touching pages of the store
-    it had not used before: ~4,000 faults per step in each worker and PS actor
-    (100 MiB of gradients, 2 workers), with the kernel zeroing fresh pages."""
+    it had not used before, with the kernel zeroing fresh pages (how many:
+    benchmarks/results/MEASUREMENTS.md)."""
     import ctypes
 
     import numpy as np

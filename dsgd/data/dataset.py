@@ -86,12 +86,12 @@ class Dataset:
             return self._stream.length
         return len(self.data) if hasattr(self.data, "__len__") else None
 
-    def _feed(self, sgd):
-        """The driver-side feed for `sgd` (see dsgd/data/feeds.py)."""
+    def _feed(self, devices: int):
+        """The driver-side feed for workers of `devices` replicas each (the
+        protocol of dsgd/engine/feeds.py)."""
         from dsgd.data.feeds import RayDataFeed, StreamFeed
         from dsgd.data.stream import BlockStream
 
-        devices = sgd.devices_per_worker
         if self.batch_size % devices:
             raise ValueError(f"batch_size={self.batch_size} (per worker) does not split evenly "
                              f"among devices_per_worker={devices} replicas; use a multiple "
@@ -103,6 +103,20 @@ class Dataset:
                                        min(self.batch_size, constants.DATA_BLOCK_MAX_ROWS),
                                        self.seed if self.shuffle else None)
         return StreamFeed(self, self._stream)
+
+    def with_batch_size(self, batch_size: int) -> Dataset:
+        """The same data (same position, same downloaded blocks) with another
+        `batch_size`; this Dataset is unchanged."""
+        import copy
+
+        _positive_int("batch_size", batch_size)
+        other = copy.copy(self)
+        other.batch_size = int(batch_size)
+        return other
+
+    def _seek(self, rows: int) -> None:
+        """(its feed) Rows of the stream consumed so far."""
+        self.position = int(rows)
 
     def __repr__(self) -> str:
         kind = "ray.data.Dataset" if self.is_ray_data else (

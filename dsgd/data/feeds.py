@@ -1,27 +1,9 @@
 """How a `dsgd.Dataset` feeds a `DistributedSGD`: a driver-side feed per kind
-of data, and the loader it sends to every worker.
-
-The engine (`DistributedSGD.train`, dsgd/engine/feeding.py) drives a feed through
-this protocol, without importing this module:
-
-    feed.loaders(sgd)          one loader per worker (in worker order), which the
-                               engine sends to the workers: at first use, and
-                               again after any worker was replaced or added
-    feed.steps_per_epoch(sgd)  steps in one epoch, or None (unknown)
-    feed.step_args(sgd, ahead) one small argument per worker for the step `ahead`
-                               steps after the next one (0: the next; 1: the one
-                               the engine submits while the next finishes), never
-                               None (which tells workers to use get_batch)
-    feed.advance(sgd, n)       the next step was completed (or skipped) on n workers
-    feed.position              rows consumed so far (None: not tracked);
-                               checkpoints save it and restore sets it
-    feed.reports_epoch_end     (optional) True: the workers' loaders tell when an
-                               epoch ends, so train() can run "one epoch"
-                               without knowing its length
-
-and the worker calls `loader.batches(arg, num_devices)`, which returns
-(one batch per replica, rows in the worker's batch), or None at the end of
-an epoch.
+of data, and the loader it sends to every worker. The engine drives feeds
+through the protocol described in dsgd/engine/feeds.py (without importing this
+module); the worker calls `loader.batches(arg, num_devices)`, which returns
+(one batch per replica, rows in the worker's batch), or None at the end of an
+epoch.
 """
 
 from __future__ import annotations
@@ -49,37 +31,38 @@ class StreamFeed:
         self.dataset = dataset
         self.stream = stream
 
+    reports_epoch_end = False  # the stream repeats forever
+
     @property
     def position(self) -> int:
         return self.dataset.position
 
-    @position.setter
-    def position(self, rows: int) -> None:
-        self.dataset.position = rows
+    def seek(self, rows: int) -> None:
+        self.dataset._seek(rows)
 
-    def loaders(self, sgd) -> list:
-        return [StreamLoader(self.dataset.transform, sgd.step_timeout_s)] * sgd.num_workers
+    def loaders(self, num_workers: int, timeout_s: float) -> list:
+        return [StreamLoader(self.dataset.transform, timeout_s)] * num_workers
 
-    def steps_per_epoch(self, sgd) -> int | None:
+    def steps_per_epoch(self, num_workers: int) -> int | None:
         if self.stream.length is None:
             return None
-        return -(-self.stream.length // (sgd.num_workers * self.dataset.batch_size))
+        return -(-self.stream.length // (num_workers * self.dataset.batch_size))
 
-    def step_args(self, sgd, ahead: int = 0) -> list:
+    def step_args(self, num_workers: int, ahead: int, timeout_s: float) -> list:
         b = self.dataset.batch_size
-        rows = sgd.num_workers * b
+        rows = num_workers * b
         start = self.dataset.position + ahead * rows
-        refs = self.stream.ready(start, rows, PREFETCH_STEPS * rows, sgd.step_timeout_s)
+        refs = self.stream.ready(start, rows, PREFETCH_STEPS * rows, timeout_s)
         args = []
-        for w in range(sgd.num_workers):
+        for w in range(num_workers):
             first = start + w * b
             spans = self.stream.spans(first, b)
             args.append(RowSpans([refs[k] for k, _, _ in spans],
                                  [(lo, hi) for _, lo, hi in spans], first))
         return args
 
-    def advance(self, sgd, num_workers: int) -> None:
-        self.dataset.position += num_workers * self.dataset.batch_size
+    def advance(self, num_workers: int) -> None:
+        self.dataset._seek(self.dataset.position + num_workers * self.dataset.batch_size)
 
 
 class RowSpans:
@@ -123,18 +106,21 @@ class RayDataFeed:
     def __init__(self, dataset):
         self.dataset = dataset
 
-    def loaders(self, sgd) -> list:
-        splits = self.dataset.data.streaming_split(sgd.num_workers, equal=True)
+    def loaders(self, num_workers: int, timeout_s: float) -> list:
+        splits = self.dataset.data.streaming_split(num_workers, equal=True)
         return [RayDataLoader(s, self.dataset.batch_size, self.dataset.transform) for s in splits]
 
-    def steps_per_epoch(self, sgd) -> None:
+    def steps_per_epoch(self, num_workers: int) -> None:
         return None  # counting rows would run the whole pipeline: an epoch ends when it ends
 
-    def step_args(self, sgd, ahead: int = 0) -> list:
-        return [NEXT_BATCH] * sgd.num_workers  # not None: None means "use get_batch"
+    def step_args(self, num_workers: int, ahead: int, timeout_s: float) -> list:
+        return [NEXT_BATCH] * num_workers  # not None: None means "use get_batch"
 
-    def advance(self, sgd, num_workers: int) -> None:
+    def advance(self, num_workers: int) -> None:
         pass
+
+    def seek(self, rows: int) -> None:
+        raise ValueError("a Ray Data feed has no row position to seek")
 
 
 class RayDataLoader:

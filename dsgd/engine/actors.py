@@ -1,58 +1,82 @@
-"""The actors a `DistributedSGD` owns: starting, naming, waiting on, probing and
-replacing workers and PS actors. The driver decides (dsgd/engine/failures.py); this
-module only carries out.
-
-Every wait has a deadline. While a wait is pending, a stall report is logged
-every `stall_warning_s` naming the actors that have not answered, well before
-the deadline raises `StepTimeoutError` naming them.
+"""The actors a `DistributedSGD` owns, and its membership: worker actors by slot
+(the worker index given to `model_creator`, kept by a replacement), what each
+worker reported at setup, PS actors by index, and a membership number that
+changes whenever workers are replaced or added. Only this class's methods
+change them. Starting, waiting on (through dsgd/comm/waits.py: deadlines and
+stall reports naming the actors), probing and killing actors; the driver
+decides (dsgd/engine/failures.py), this class carries out.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-
 from dsgd import constants
-from dsgd.errors import DsgdError, StepTimeoutError
+from dsgd.comm import waits
 from dsgd.comm.param_server import ParameterServer
+from dsgd.errors import StepTimeoutError
 from dsgd.worker.worker import Worker
-
-logger = logging.getLogger("dsgd")
-
-
-def actor_died_errors() -> tuple:
-    """Ray's errors that mean an actor (or the node under it) is gone."""
-    from ray import exceptions as rx
-
-    return tuple(getattr(rx, n) for n in ("RayActorError", "ObjectLostError", "OwnerDiedError",
-                                          "WorkerCrashedError", "NodeDiedError") if hasattr(rx, n))
 
 
 class ActorSet:
-    """Worker actors by slot (the worker index given to `model_creator`) and PS actors.
+    """Worker and PS actors of one DistributedSGD.
 
     Args:
         worker_args: `(model_creator, devices_per_worker, gpu, all_reduce_alg, worker_init)`.
-        worker_options: Ray options of a worker actor (resources).
+        worker_options: Ray options of a worker actor (resources, scheduling).
         suffix: this DistributedSGD's id, the last part of every actor name.
-        stall_warning_s: interval of stall reports while a wait is pending.
+        stall_s: interval of stall reports while a wait is pending.
+        worker_cls, ps_cls: the actor classes (a seam for tests).
     """
 
-    def __init__(self, worker_args: tuple, worker_options: dict, suffix: str,
-                 stall_warning_s: float, worker_cls=Worker, ps_cls=ParameterServer):
+    def __init__(self, worker_args: tuple, worker_options: dict, suffix: str, stall_s: float,
+                 worker_cls=Worker, ps_cls=ParameterServer):
         import ray
 
         self.worker_args = worker_args
         self.worker_options = worker_options
         self.suffix = suffix
-        self.stall_warning_s = stall_warning_s
+        self.stall_s = stall_s
         self._worker_cls = ray.remote(worker_cls)
         self._ps_cls = ray.remote(ps_cls)
-        self.slots: list[int] = []     # worker slot of self.workers[k]
-        self.workers: list = []
-        self.ps: list = []
-        self.names: dict[int, str] = {}  # id(handle) -> actor name
+        self._slots: list[int] = []     # worker slot of self._workers[k]
+        self._workers: list = []
+        self._infos: dict[int, dict] = {}  # slot -> what its setup reported
+        self._ps: list = []              # PS j, or None while dead / not started
+        self._names: dict[int, str] = {}  # id(handle) -> actor name
         self._generation = 0
+        self._membership = 0
+
+    # -- membership -----------------------------------------------------------
+    @property
+    def workers(self) -> list:
+        """Worker handles in slot order (a copy)."""
+        return list(self._workers)
+
+    @property
+    def slots(self) -> list[int]:
+        return list(self._slots)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._workers)
+
+    @property
+    def ps(self) -> list:
+        """PS handles by index, None where dead (a copy)."""
+        return list(self._ps)
+
+    @property
+    def membership(self) -> int:
+        """Changes whenever workers are replaced or added (data loaders are then sent again)."""
+        return self._membership
+
+    def info(self, slot: int) -> dict:
+        return self._infos[slot]
+
+    def worker(self, slot: int):
+        return self._workers[self._slots.index(slot)]
+
+    def name(self, handle) -> str:
+        return self._names.get(id(handle), "?")
 
     # -- starting -------------------------------------------------------------
     def _name(self, prefix: str, index: int) -> str:
@@ -69,106 +93,75 @@ class ActorSet:
             handle = self._worker_cls.options(name=name, runtime_env=constants.ACTOR_RUNTIME_ENV,
                                               **self.worker_options).remote(
                 model_creator, slot, devices, gpu, alg, init)
-            self.names[id(handle)] = name
+            self._names[id(handle)] = name
             handles.append(handle)
-            position = sorted(self.slots + [slot]).index(slot)
-            self.slots.insert(position, slot)
-            self.workers.insert(position, handle)
+            position = sorted(self._slots + [slot]).index(slot)
+            self._slots.insert(position, slot)
+            self._workers.insert(position, handle)
         return handles
 
+    def set_up(self, slots: list[int], infos: list[dict]) -> None:
+        """Record what the workers of `slots` reported at setup."""
+        self._infos.update(zip(slots, infos))
+
     def start_ps(self, indices: list[int], node_ids: list[str], warm_store_bytes: int = 0) -> list:
-        """Create PS actors `indices`, PS j pinned to node `node_ids[k]` (hard
-        affinity: a soft one was seen to fall back to another node although a
-        0-CPU actor fits), each warming `warm_store_bytes` of its object-store
-        mapping (store.warm). Returns their handles."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        """Create PS actors `indices`, PS j on node `node_ids[k]` (dsgd/comm/param_server.py
+        `ps_options`), each warming `warm_store_bytes` of its store mapping. Returns
+        their handles."""
+        from dsgd.comm.param_server import ps_options
 
         handles = []
         for j, node_id in zip(indices, node_ids):
             name = self._name(constants.PS_NAME_PREFIX, j)
-            handle = self._ps_cls.options(
-                name=name, num_cpus=constants.PS_NUM_CPUS, runtime_env=constants.ACTOR_RUNTIME_ENV,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+            handle = self._ps_cls.options(name=name, **ps_options(node_id)).remote(
                 j, warm_store_bytes)
-            self.names[id(handle)] = name
-            while len(self.ps) <= j:
-                self.ps.append(None)
-            self.ps[j] = handle
+            self._names[id(handle)] = name
+            while len(self._ps) <= j:
+                self._ps.append(None)
+            self._ps[j] = handle
             handles.append(handle)
         return handles
 
-    def next_generation(self) -> None:
+    def next_generation(self, workers_added: bool) -> None:
+        """Before starting replacements: new names; with `workers_added`, a new membership."""
         self._generation += 1
+        if workers_added:
+            self._membership += 1
 
+    # -- stopping -------------------------------------------------------------
     def kill(self, handle) -> None:
         """Kill one actor (a hung one, to be replaced by recovery)."""
-        self._kill(handle)
+        _kill(handle)
 
     def remove_worker(self, slot: int) -> None:
-        k = self.slots.index(slot)
-        self._kill(self.workers[k])
-        del self.slots[k], self.workers[k]
+        k = self._slots.index(slot)
+        _kill(self._workers[k])
+        del self._slots[k], self._workers[k]
+        self._infos.pop(slot, None)
 
-    def worker(self, slot: int):
-        return self.workers[self.slots.index(slot)]
+    def remove_ps(self, j: int) -> None:
+        _kill(self._ps[j])
+        self._ps[j] = None
+
+    def shutdown(self) -> None:
+        for handle in self._workers + [p for p in self._ps if p is not None]:
+            _kill(handle)
+        self._workers, self._slots, self._ps = [], [], []
 
     # -- waiting --------------------------------------------------------------
-    def name(self, handle) -> str:
-        return self.names.get(id(handle), "?")
-
     def wait(self, refs: list, owners: list, what: str, timeout_s: float,
-             stall_warning_s: float | None = None) -> list:
-        """ray.get of `refs` (one per owner actor) with a deadline: logs a stall
-        report every `stall_warning_s` (default: the set's), raises
-        StepTimeoutError naming the actors that did not answer in `timeout_s`.
-        Actor errors propagate from ray.get."""
-        import ray
-
-        self._await(refs, owners, what, timeout_s, stall_warning_s)
-        return ray.get(refs, timeout=max(1.0, timeout_s))
-
-    def _await(self, refs: list, owners: list, what: str, timeout_s: float,
-               stall_warning_s: float | None = None) -> None:
-        import ray
-
-        interval_s = stall_warning_s or self.stall_warning_s
-        pending = list(refs)
-        start = time.monotonic()
-        while pending:
-            left = timeout_s - (time.monotonic() - start)
-            if left <= 0:
-                late = list({id(h): h for h in (owners[refs.index(r)] for r in pending)}.values())
-                error = StepTimeoutError(
-                    f"{what}: no answer after {timeout_s:.1f} s from "
-                    f"{', '.join(sorted(self.name(h) for h in late))}. "
-                    f"Cluster resources available now: {ray.available_resources()}")
-                error.late = late  # the actors' handles (DistributedSGD replace_hung)
-                raise error
-            _, pending = ray.wait(pending, num_returns=len(pending),
-                                  timeout=min(left, interval_s))
-            if pending and time.monotonic() - start < timeout_s:
-                self._stall_report(what, [owners[refs.index(r)] for r in pending],
-                                   len(refs) - len(pending), time.monotonic() - start, timeout_s)
+             stall_s: float | None = None) -> list:
+        """ray.get of `refs` (one per owner actor) with a deadline: stall reports
+        every `stall_s` (default: the set's), StepTimeoutError naming the actors
+        that did not answer in `timeout_s`. Actor errors propagate from ray.get."""
+        return waits.get_all(refs, owners, what, timeout_s, name_of=self.name,
+                             stall_s=stall_s or self.stall_s)
 
     def next_all(self, streams: list, owners: list, what: str, timeout_s: float) -> list:
-        """The next ObjectRef of each streaming generator (one per owner actor),
-        within `timeout_s`; stall reports and the timeout name the late owners."""
-        self._await(streams, owners, what, timeout_s)
-        refs = []
-        for stream, owner in zip(streams, owners):
-            try:
-                refs.append(next(stream))
-            except StopIteration:
-                raise DsgdError(f"{what}: {self.name(owner)} ended its shard stream early") from None
-        return refs
+        """The next ObjectRef of each streaming generator (one per owner actor)."""
+        return waits.next_all(streams, owners, what, timeout_s, name_of=self.name,
+                              stall_s=self.stall_s)
 
-    def _stall_report(self, what, late, answered, waited_s, timeout_s) -> None:
-        logger.warning("stall: %s: %s ha%s not answered after %.0f s (%d answered); "
-                       "StepTimeoutError after %.0f s", what,
-                       ", ".join(sorted(self.name(a) for a in late)),
-                       "s" if len(late) == 1 else "ve", waited_s, answered, timeout_s)
-
-    # -- probing --------------------------------------------------------------
     def probe(self, timeout_s: float) -> tuple[dict[int, dict | None], list[int]]:
         """Ping every actor; a ping runs after the calls already queued on that
         actor, so a live one answers once its in-flight work has ended.
@@ -176,8 +169,8 @@ class ActorSet:
         An actor that neither answers nor dies in `timeout_s` raises StepTimeoutError."""
         import ray
 
-        died = actor_died_errors()
-        handles = self.workers + [p for p in self.ps if p is not None]
+        died = waits.actor_died_errors()
+        handles = self._workers + [p for p in self._ps if p is not None]
         refs = [h.ping.remote() for h in handles]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         answers = []
@@ -189,40 +182,16 @@ class ActorSet:
             except ray.exceptions.GetTimeoutError:
                 raise StepTimeoutError(f"recovering: {self.name(handle)} neither answered nor "
                                        f"died within {timeout_s:.1f} s") from None
-        workers = dict(zip(self.slots, answers[:len(self.workers)]))
-        live_ps = [j for j, p in enumerate(self.ps) if p is not None]
-        dead_ps = [j for j, a in zip(live_ps, answers[len(self.workers):]) if a is None]
+        workers = dict(zip(self._slots, answers[:len(self._workers)]))
+        live_ps = [j for j, p in enumerate(self._ps) if p is not None]
+        dead_ps = [j for j, a in zip(live_ps, answers[len(self._workers):]) if a is None]
         return workers, dead_ps
 
-    # -- stopping -------------------------------------------------------------
-    @staticmethod
-    def _kill(handle) -> None:
-        import ray
 
-        try:
-            ray.kill(handle)
-        except Exception:  # already dead
-            pass
+def _kill(handle) -> None:
+    import ray
 
-    def shutdown(self) -> None:
-        for handle in self.workers + [p for p in self.ps if p is not None]:
-            self._kill(handle)
-        self.workers, self.slots, self.ps = [], [], []
-
-
-def placeable_workers(options: dict, want: int) -> int:
-    """How many more workers with Ray `options` fit in the resources available now
-    (each worker's CPUs and GPUs on one node). Blocks for one GCS call. Workers
-    placed in a placement group (under Ray Tune) take the bundles a dead one
-    left: all of them."""
-    from dsgd.ray_private import available_resources_per_node
-
-    if not isinstance(options.get("scheduling_strategy"), str):
-        return want
-    cpu, gpu = options.get("num_cpus", 1), options.get("num_gpus", 0)
-    fit = 0
-    for available in available_resources_per_node().values():
-        by_cpu = int(available.get("CPU", 0) // cpu) if cpu else want
-        by_gpu = int(available.get("GPU", 0) // gpu) if gpu else want
-        fit += min(by_cpu, by_gpu)
-    return min(fit, want)
+    try:
+        ray.kill(handle)
+    except Exception:  # noqa: BLE001 - already dead
+        pass

@@ -22,8 +22,9 @@ A plain Keras model loads the weights with TensorFlow alone:
   tf.train.Checkpoint(weights=model.weights).read(tf_prefix(P)).expect_partial()
 
 Worker 0 writes into a private temporary directory and hands the bytes to the
-driver, which writes them under P; restore ships the bytes to every worker. So
-checkpoints work when workers sit on other nodes, with no shared filesystem.
+driver (dsgd/worker/checkpoint_files.py), which writes them under P with
+`write`; restore ships the bytes from `read` to every worker. So checkpoints
+work when workers sit on other nodes, with no shared filesystem.
 """
 
 from __future__ import annotations
@@ -126,48 +127,3 @@ def read(path: str) -> tuple[dict[str, bytes], dict]:
     if ".index" not in files:
         raise CheckpointError(f"checkpoint {path!r} records no .index file")
     return files, meta
-
-
-def save(sgd, path: str, extra: dict | None = None) -> str:
-    """(driver side) `DistributedSGD.save_checkpoint`: worker 0 / replica 0's
-    state, written by the driver as the checkpoint `path`, with the position in
-    the dataset last trained on (`train(dataset=...)` of a Python iterable).
-    Blocks."""
-    files = sgd._wait([sgd.workers[0].save_checkpoint.remote(sgd.steps_done)],
-                      sgd.workers[:1], "save_checkpoint", sgd.step_timeout_s)[0]
-    meta = {"step": sgd.steps_done, "num_workers": sgd.num_workers,
-            "devices_per_worker": sgd.devices_per_worker, "strategy": sgd.strategy,
-            "compression": getattr(sgd, "compression", None),
-            "grad_shard_bytes": sgd.grad_shard_bytes, "all_reduce_alg": sgd.all_reduce_alg,
-            "on_nonfinite": sgd.on_nonfinite, "skipped_steps": sgd.skipped_steps,
-            "variables": {"shapes": [list(s) for s in sgd.plan.shapes],
-                          "dtypes": list(sgd.plan.dtypes)}}
-    feed = sgd.last_feed
-    if getattr(feed, "position", None) is not None:
-        meta["data_position"] = int(feed.position)  # rows of the last dataset trained on
-    if extra is not None:
-        meta["extra"] = extra
-    write(path, files, meta)
-    sgd._last_checkpoint = path
-    return path
-
-
-def restore(sgd, path: str) -> dict | None:
-    """(driver side) `DistributedSGD.restore_checkpoint`: the checked files,
-    shipped once through the object store to every worker, and the data
-    position, if saved, given to the dataset last trained on (or, if none was,
-    to the next one). Blocks."""
-    import ray
-
-    files, meta = read(path)
-    ref = ray.put(files)
-    steps = sgd._call_all("restore_checkpoint", ref)
-    sgd.steps_done = int(steps[0])
-    sgd._last_checkpoint = path
-    feed = sgd.last_feed
-    if "data_position" in meta:
-        if getattr(feed, "position", None) is not None:
-            feed.position = int(meta["data_position"])
-        else:  # a fresh DistributedSGD: the next dataset trained on starts there
-            sgd.pending_data_position = int(meta["data_position"])
-    return meta.get("extra")

@@ -45,7 +45,7 @@ class Action:
     reason: str
     replace_workers: list[int] = field(default_factory=list)  # slots to restart
     drop_workers: list[int] = field(default_factory=list)     # slots to give up (elastic)
-    replace_ps: list[int] = field(default_factory=list)
+    replace_ps: list[int] = field(default_factory=list)      # PS indices to restart
     state_source: int | None = None   # slot whose state everyone copies; None: checkpoint
     sync_workers: list[int] = field(default_factory=list)     # survivors behind the source
     step_completed: bool = False   # the interrupted step was applied: do not retry it

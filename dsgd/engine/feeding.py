@@ -1,12 +1,6 @@
-"""`DistributedSGD.train`: many steps at once, fed from a dataset (driver side).
-
-A `dsgd.Dataset` is used through the small feed protocol of
-dsgd/data/feeds.py (the engine does not import the data layer): the driver
-sends each worker the feed's loader once, then asks the feed for each worker's
-argument of every step, which the worker's loader turns into batches. Feeds
-(and the workers' loaders) are kept for the last few datasets used, so
-training on a dataset again continues where it stopped.
-"""
+"""`DistributedSGD.train`: many steps, each replica's batch from a dataset's
+feed (dsgd/engine/feeds.py) or from its own get_batch, with a progress bar and
+a summary of what was trained (driver side)."""
 
 from __future__ import annotations
 
@@ -14,67 +8,53 @@ import time
 
 import numpy as np
 
-from dsgd import constants, progress
-from dsgd.engine import steps
+from dsgd import progress as progress_bar
+from dsgd.engine.feeds import FeedEntry
+from dsgd.engine.loop import StepLoop
+from dsgd.engine.state import Progress
+from dsgd.engine.step import StepResult
 
 
-def train(sgd, num_steps: int | None, dataset, desc: str = "train") -> dict:
-    """See `DistributedSGD.train`. Returns {"loss": mean loss over the steps,
+def train(loop: StepLoop, entry: FeedEntry | None, num_steps: int | None, desc: str,
+          one_step_rows: str) -> dict:
+    """Run `num_steps` steps (None: until the feed's epoch ends) through `loop`,
+    a bar named `desc` on a terminal. Returns {"loss": mean loss over the steps,
     "steps": steps run, "num_samples": examples trained on (every replica's
-    batches; None when get_batch's batches have no leading dimension),
+    batches; 0 when get_batch's batches have no leading dimension),
     "skipped_steps": steps skipped here (non-finite gradients), "epoch_ended":
     the dataset's epoch ended (Ray Data, num_steps=None), "train_s": wall time,
     "step_s": median seconds per step, "data_s": median seconds the slowest
-    worker spent getting its step's batches, "samples_per_s", "step": steps applied
-    in all, "failures": failures recovered in all, "mean_times": mean seconds per
-    step of step_s/data_s/compute_s/apply_s/exchange_s, "workers": per worker
-    (worker order) {"num_samples", "batch_count", "sums": {metric: sum over steps
-    of value x samples}, "last": {metric: last step's value}}, the metrics being
-    "loss" and any others get_loss returns}."""
-    feed = _feed(sgd, dataset)
-    until_epoch_end = False
-    if num_steps is None:
-        num_steps = feed.steps_per_epoch(sgd) if feed is not None else _model_epoch(sgd)
-        if num_steps is None:
-            if feed is None:
-                raise ValueError("train() without a dataset needs num_steps: the replicas' "
-                                 "steps_per_epoch() does not say how long one epoch of their "
-                                 "own data (get_batch) is")
-            if not getattr(feed, "reports_epoch_end", False):
-                raise ValueError("dataset is streaming data of unknown length (a generator or "
-                                 "iterator): pass num_steps")
-            until_epoch_end = True
-        elif num_steps < 1:
-            raise ValueError(f"one epoch of {'the dataset' if feed else 'the replicas own data'} "
-                             "is 0 steps (fewer batches than workers/replicas?): pass num_steps")
-    elif isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) \
-            or num_steps < 1:
-        raise ValueError(f"num_steps must be a positive int or None (one epoch), got {num_steps!r}")
-
+    worker spent getting its step's batches, "samples_per_s", "step": steps
+    applied in all, "failures": failures recovered in all, "mean_times": mean
+    seconds per step of step_s/data_s/compute_s/apply_s/exchange_s, "workers":
+    per worker (worker order) {"num_samples", "batch_count", "sums": {metric:
+    sum over steps of value x samples}, "last": {metric: last step's value}},
+    the metrics being "loss" and any others get_loss returns}.
+    `one_step_rows` describes one step's rows, for the error when the data is
+    smaller than that."""
+    until_epoch_end = num_steps is None
     start = time.perf_counter()
     tally = Tally()
     ended_at = None
-    with progress.bar(None if until_epoch_end else int(num_steps), desc) as bar:
+    with progress_bar.bar(None if until_epoch_end else int(num_steps), desc) as bar:
         step_start = time.perf_counter()
-        for infos, applied, was_skipped in steps.run(sgd, feed, None if until_epoch_end
-                                                     else int(num_steps)):
-            if infos is not None and infos[0].get("epoch_end"):
+        for result in loop.run(entry, None if until_epoch_end else int(num_steps)):
+            if result.epoch_end:
                 if until_epoch_end and tally.steps:
                     break
                 if ended_at == tally.steps:
-                    raise ValueError(f"{dataset!r} has fewer rows than one step needs "
-                                     f"({sgd.num_workers} worker(s) x batch_size="
-                                     f"{dataset.batch_size})")
+                    raise ValueError(f"{entry.dataset!r} has fewer rows than one step needs "
+                                     f"({one_step_rows})")
                 ended_at = tally.steps
                 continue  # the next step starts the next epoch
-            tally.add(infos, applied, was_skipped, time.perf_counter() - step_start)
+            tally.add(result, time.perf_counter() - step_start)
             step_start = time.perf_counter()
             if tally.losses:
                 bar.set_postfix(loss=f"{tally.losses[-1]:.4f}",
                                 samples_s=f"{tally.samples / (time.perf_counter() - start):.0f}",
                                 refresh=False)
             bar.update()
-    return tally.summary(sgd, until_epoch_end, time.perf_counter() - start)
+    return tally.summary(loop.progress, until_epoch_end, time.perf_counter() - start)
 
 
 class Tally:
@@ -89,11 +69,12 @@ class Tally:
                                                         "apply_s", "exchange_s")}
         self.workers: list[dict] = []
 
-    def add(self, infos, applied, skipped: bool, step_s: float) -> None:
+    def add(self, result: StepResult, step_s: float) -> None:
+        infos, applied = result.infos, result.applied
         self.steps += 1
-        self.skipped += skipped
+        self.skipped += result.skipped
         # Steps that ran in one call (one worker) come together: their share of its time.
-        step_s = next((a["step_s"] for a in applied if "step_s" in a), step_s)
+        step_s = result.step_s if result.step_s is not None else step_s
         self.times["step_s"].append(step_s)
         if infos is None:  # the step was applied before a failure interrupted it
             return
@@ -117,7 +98,7 @@ class Tally:
                 worker["last"][key] = value
             self.samples += samples
 
-    def summary(self, sgd, epoch_ended: bool, train_s: float) -> dict:
+    def summary(self, progress: Progress, epoch_ended: bool, train_s: float) -> dict:
         times = {k: float(np.mean(v)) if v else float("nan") for k, v in self.times.items()}
         return {"loss": float(np.nanmean(self.losses)) if self.losses else float("nan"),
                 "steps": self.steps, "num_samples": self.samples,
@@ -126,35 +107,5 @@ class Tally:
                 "data_s": float(np.median(self.times["data_s"])) if self.times["data_s"]
                 else float("nan"),
                 "samples_per_s": self.samples / train_s if train_s > 0 else 0.0,
-                "step": sgd.steps_done, "failures": len(sgd.failures),
+                "step": progress.steps_done, "failures": len(progress.failures),
                 "mean_times": times, "workers": self.workers}
-
-
-def _feed(sgd, dataset):
-    """The feed of `dataset` for `sgd`, made once per dataset object; the
-    DATA_FEEDS_KEPT most recently used are kept (with their workers' loaders)."""
-    if dataset is None:
-        return None
-    if not hasattr(dataset, "_feed"):
-        raise TypeError("dataset must be a dsgd.Dataset (wrap a ray.data.Dataset or an "
-                        f"iterable: dsgd.Dataset(data, batch_size=...)), got {type(dataset).__name__}")
-    for key, (known, feed) in sgd._feeds.items():
-        if known is dataset:
-            sgd._feeds[key] = sgd._feeds.pop(key)  # most recent last
-            return feed
-    feed = dataset._feed(sgd)
-    if sgd.pending_data_position is not None and getattr(feed, "position", None) is not None:
-        feed.position, sgd.pending_data_position = sgd.pending_data_position, None
-    feed.key = sgd._next_feed_key = getattr(sgd, "_next_feed_key", -1) + 1
-    feed.attached_membership = None  # loaders not sent yet
-    sgd._feeds[feed.key] = (dataset, feed)
-    while len(sgd._feeds) > constants.DATA_FEEDS_KEPT:
-        oldest = next(iter(sgd._feeds))
-        del sgd._feeds[oldest]
-        sgd._call_all("detach_data", oldest)
-    return feed
-
-
-def _model_epoch(sgd) -> int | None:
-    """Worker 0 / replica 0's `steps_per_epoch()`, if its Model defines one."""
-    return sgd.for_model(lambda m: m.steps_per_epoch() if hasattr(m, "steps_per_epoch") else None)

@@ -1,85 +1,109 @@
 """Starting a DistributedSGD's actors (driver side): workers (replicas built,
-signatures compared, step compiled), the shard plan, PS actors beside the
-workers, and the start-up weight broadcast. Used at construction, and by
-dsgd/engine/recovery.py to start replacements.
+signatures compared, step compiled), the topology (shard plan, PS layout), PS
+actors beside the workers, and the start-up weight broadcast. `start` runs at
+construction; `start_workers` and `ensure_ps` also start replacements.
 
-Every function takes the driver (`dsgd.sgd.DistributedSGD`) and blocks until
-its actors have answered, each wait at most `start_timeout_s` (start-up) or
-`step_timeout_s`.
+Every function blocks until its actors have answered, each wait at most
+`start_timeout_s` (start-up) or `step_timeout_s`.
 """
 
 from __future__ import annotations
 
-import logging
-
-from dsgd import constants
 from dsgd.comm import store
+from dsgd.comm.param_server import ps_nodes
+from dsgd.comm.sharding import exchange_layout, plan_shards, whole_plan
+from dsgd.config import Config
+from dsgd.engine.actors import ActorSet
 from dsgd.engine.resources import check_resources, check_store
+from dsgd.engine.state import Topology
 from dsgd.errors import ModelMismatchError
-from dsgd.comm.sharding import (
-    ShardPlan,
-    assign_shards,
-    group_shards,
-    plan_shards,
-    whole_plan,
-)
-
-logger = logging.getLogger("dsgd")
 
 
-def worker_scheduling(num_workers: int, devices_per_worker: int, gpu: bool, num_cpus: float):
-    """Where workers go: inside the current placement group, if any (a Ray Tune
-    trial's resources are one; actors only land in it when asked), in any of its
-    bundles with room; otherwise spread over the cluster, after checking that the
-    cluster can hold them (ResourceError)."""
+def worker_options(config: Config) -> dict:
+    """Ray options of a worker actor. Inside a placement group (a Ray Tune trial's
+    resources are one; actors only land in it when asked) workers go into any of
+    its bundles with room; otherwise they spread over the cluster, after
+    checking that it can hold them (ResourceError)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    options = {"num_cpus": config.num_cpus_per_worker}
+    if config.gpu:
+        options["num_gpus"] = config.devices_per_worker
     group = ray.util.get_current_placement_group()
     if group is None:
-        check_resources(num_workers, devices_per_worker, gpu, num_cpus)
-        return "SPREAD"
-    return PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=-1,
-                                            placement_group_capture_child_tasks=False)
-
-
-def start_stall_s(sgd) -> float:
-    """Stall-report interval while actors start: start-up is slow by nature
-    (seconds to import TensorFlow), so report less often than during steps."""
-    return max(sgd.actors.stall_warning_s, constants.START_STALL_WARNING_S)
-
-
-def start_workers(sgd, slots: list[int], first: bool = False) -> None:
-    """Start workers for `slots`, build their replicas (check they match the
-    others) and compile their step. The first call also makes the shard plan.
-    Blocks, at most `start_timeout_s`."""
-    handles = sgd.actors.start_workers(slots)
-    stall_s = start_stall_s(sgd)
-    infos = sgd.actors.wait([w.setup.remote() for w in handles], handles,
-                            "starting (setup: import TensorFlow, build replicas)",
-                            sgd.start_timeout_s, stall_s)
-    if first:
-        sgd._info_by_slot = dict(zip(slots, infos))
-        check_signatures(infos)
-        shapes, dtypes = infos[0]["shapes"], infos[0]["dtypes"]
-        sgd._signature = infos[0]
-        sgd.plan: ShardPlan = (plan_shards(shapes, dtypes, sgd.grad_shard_bytes,
-                                           compression=sgd.compression)
-                               if sgd.strategy == "ps" else whole_plan(shapes, dtypes))
-        check_store(sgd.plan, sgd.num_workers)
-        sgd._warm_store_bytes = store.warm_bytes(sgd.plan, sgd.num_workers)
+        check_resources(config.num_workers, config.devices_per_worker, config.gpu,
+                        config.num_cpus_per_worker)
+        options["scheduling_strategy"] = "SPREAD"
     else:
-        check_signatures([sgd._signature] + infos)
-        sgd._info_by_slot.update(zip(slots, infos))
-    configured = sgd.actors.wait([w.configure.remote(sgd.plan, sgd.on_nonfinite,
-                                                     sgd._warm_store_bytes)
-                                  for w in handles], handles, "compiling the step",
-                                 sgd.start_timeout_s, stall_s)
-    if first:
-        # Apply each PS group's mean as it arrives (Worker.apply_staged) where the
-        # optimizers allow it; replacements run the same model_creator.
-        sgd.per_group_blocker = next((c["per_group_blocker"] for c in configured
-                                      if c["per_group_blocker"]), None)
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=-1, placement_group_capture_child_tasks=False)
+    return options
+
+
+def start(config: Config, actors: ActorSet) -> Topology:
+    """Start every worker, fix the topology from their model, start the PS
+    actors and broadcast worker 0 / replica 0's state. Blocks."""
+    slots = list(range(config.num_workers))
+    infos = _set_up(config, actors, slots)
+    check_signatures(infos)
+    plan = (plan_shards(infos[0]["shapes"], infos[0]["dtypes"], config.grad_shard_bytes,
+                        compression=config.compression)
+            if config.strategy == "ps" else whole_plan(infos[0]["shapes"], infos[0]["dtypes"]))
+    check_store(plan, config.num_workers)
+    warm_bytes = store.warm_bytes(plan, config.num_workers)
+    configured = _configure(config, actors, slots, plan, warm_bytes)
+    if config.uses_ps:
+        num_ps = config.num_ps or min(plan.num_shards, config.num_workers)
+        ps_of_shard, groups = exchange_layout(plan, num_ps)
+    else:  # one group per shard; with one worker nothing is exchanged
+        ps_of_shard, groups = (), tuple((j,) for j in range(plan.num_shards))
+    topology = Topology(
+        signature={k: infos[0][k] for k in ("names", "shapes", "dtypes")}, plan=plan,
+        ps_of_shard=ps_of_shard, groups=groups,
+        # Apply each PS group's mean as it arrives where the optimizers allow it;
+        # replacements run the same model_creator.
+        per_group_blocker=next((c["per_group_blocker"] for c in configured
+                                if c["per_group_blocker"]), None),
+        warm_store_bytes=warm_bytes)
+    ensure_ps(config, actors, topology)
+    broadcast_state(config, actors)
+    return topology
+
+
+def start_workers(config: Config, actors: ActorSet, topology: Topology, slots: list[int]) -> None:
+    """Start workers for `slots` (replacements, or growth with elastic=True), check
+    that their model matches the topology's and compile their step. Their
+    state is copied by the caller. Blocks, at most `start_timeout_s`."""
+    infos = _set_up(config, actors, slots)
+    check_signatures([topology.signature] + infos)
+    _configure(config, actors, slots, topology.plan, topology.warm_store_bytes)
+
+
+def ensure_ps(config: Config, actors: ActorSet, topology: Topology) -> None:
+    """Start every PS actor of the topology that is missing (never started, or
+    dead), PS j beside worker j."""
+    ps = actors.ps + [None] * (topology.num_ps - len(actors.ps))
+    missing = [j for j, p in enumerate(ps) if p is None]
+    if not missing:
+        return
+    nodes = ps_nodes(missing, [actors.info(s)["node_id"] for s in actors.slots])
+    handles = actors.start_ps(missing, nodes, topology.warm_store_bytes)
+    actors.wait([p.ready.remote() for p in handles], handles, "starting PS actors",
+                config.start_timeout_s, config.start_stall_report_s)
+
+
+def broadcast_state(config: Config, actors: ActorSet) -> None:
+    """Every replica takes worker 0 / replica 0's full model state (one object)."""
+    import ray
+
+    workers = actors.workers
+    state = actors.wait([workers[0].get_state.remote()], workers[:1],
+                        "reading worker 0's weights", config.step_timeout_s)[0]
+    ref = ray.put(state)
+    actors.wait([w.set_state.remote(ref) for w in workers[1:]] +
+                [workers[0].set_state.remote(ref)], workers[1:] + workers[:1],
+                "broadcasting worker 0's weights", config.step_timeout_s)
 
 
 def check_signatures(infos: list[dict]) -> None:
@@ -97,63 +121,21 @@ def check_signatures(infos: list[dict]) -> None:
                 f"{_describe(info, k)} vs {_describe(first, k)}")
 
 
-def start_ps(sgd, num_ps: int | None) -> None:
-    """Plan the shard -> PS assignment and start the PS actors (strategy "ps",
-    more than one worker)."""
-    sgd.ps_assignment = []
-    set_groups(sgd, tuple((j,) for j in range(sgd.plan.num_shards)))
-    if sgd.strategy != "ps" or sgd.num_workers == 1:
-        return
-    num_shards = sgd.plan.num_shards
-    if num_ps is None:
-        num_ps = min(num_shards, sgd.num_workers)
-    elif num_ps > num_shards:
-        logger.warning("num_ps=%d but the gradients make only %d shard(s); %d PS actor(s) "
-                       "will idle (lower grad_shard_bytes to make more shards)",
-                       num_ps, num_shards, num_ps - num_shards)
-    nbytes = [s.nbytes for s in sgd.plan.shards]
-    sgd.ps_assignment = assign_shards(nbytes, num_ps)
-    set_groups(sgd, group_shards(sgd.ps_assignment, nbytes, constants.SHARD_GROUP_MAX_BYTES))
-    sgd.actors.ps = [None] * num_ps
-    ensure_ps(sgd)
+def _set_up(config: Config, actors: ActorSet, slots: list[int]) -> list[dict]:
+    """Create the workers of `slots` and build their replicas; returns their setup infos."""
+    handles = actors.start_workers(slots)
+    infos = actors.wait([w.setup.remote() for w in handles], handles,
+                        "starting (setup: import TensorFlow, build replicas)",
+                        config.start_timeout_s, config.start_stall_report_s)
+    actors.set_up(slots, infos)
+    return infos
 
 
-def set_groups(sgd, groups: tuple[tuple[int, ...], ...]) -> None:
-    """Shards that travel as one object per worker (and one PS result); see
-    sharding.group_shards."""
-    sgd.shard_groups = groups
-    sgd._group_shards = [tuple(sgd.plan.shards[j] for j in g) for g in groups]
-
-
-def ensure_ps(sgd) -> None:
-    """Start every PS actor that is missing (never started, or dead). PS j
-    lives beside worker j (round-robin): every node that sends gradients also
-    sums its share, as in BytePS."""
-    if sgd.strategy != "ps" or sgd.num_workers == 1:
-        return
-    if not sgd.ps_assignment:
-        start_ps(sgd, sgd._num_ps)
-        return
-    missing = [j for j, p in enumerate(sgd.actors.ps) if p is None]
-    if not missing:
-        return
-    info = sgd.worker_info
-    handles = sgd.actors.start_ps(missing, [info[j % len(info)]["node_id"] for j in missing],
-                                  sgd._warm_store_bytes)
-    sgd.actors.wait([p.ready.remote() for p in handles], handles, "starting PS actors",
-                    sgd.start_timeout_s, start_stall_s(sgd))
-
-
-def broadcast_state(sgd) -> None:
-    """Every replica takes worker 0 / replica 0's full model state (one object)."""
-    import ray
-
-    state = sgd._wait([sgd.workers[0].get_state.remote()], sgd.workers[:1],
-                      "reading worker 0's weights", sgd.step_timeout_s)[0]
-    ref = ray.put(state)
-    sgd._wait([w.set_state.remote(ref) for w in sgd.workers[1:]] +
-              [sgd.workers[0].set_state.remote(ref)], sgd.workers[1:] + sgd.workers[:1],
-              "broadcasting worker 0's weights", sgd.step_timeout_s)
+def _configure(config: Config, actors: ActorSet, slots: list[int], plan, warm_bytes: int) -> list:
+    handles = [actors.worker(s) for s in slots]
+    return actors.wait([w.configure.remote(plan, config.on_nonfinite, warm_bytes)
+                        for w in handles], handles, "compiling the step",
+                       config.start_timeout_s, config.start_stall_report_s)
 
 
 def _describe(info: dict, k: int) -> str:

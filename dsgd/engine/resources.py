@@ -66,3 +66,21 @@ def check_store(plan, num_workers: int) -> None:
         f"{have / 1e6:.1f} MB in all ({', '.join(f'{x / 1e6:.1f}' for x in stores)} MB per node). "
         f"Start Ray with object_store_memory >= {int(need * 1.5)} bytes (ray.init(object_store_memory=...) "
         "or ray start --object-store-memory), or use fewer workers.")
+
+
+def placeable_workers(options: dict, want: int) -> int:
+    """How many more workers with Ray `options` fit in the resources available now
+    (each worker's CPUs and GPUs on one node). Blocks for one GCS call. Workers
+    placed in a placement group (under Ray Tune) take the bundles a dead one
+    left: all of them."""
+    from dsgd.ray_private import available_resources_per_node
+
+    if not isinstance(options.get("scheduling_strategy"), str):
+        return want
+    cpu, gpu = options.get("num_cpus", 1), options.get("num_gpus", 0)
+    fit = 0
+    for available in available_resources_per_node().values():
+        by_cpu = int(available.get("CPU", 0) // cpu) if cpu else want
+        by_gpu = int(available.get("GPU", 0) // gpu) if gpu else want
+        fit += min(by_cpu, by_gpu)
+    return min(fit, want)

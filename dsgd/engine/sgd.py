@@ -1,8 +1,8 @@
-"""`DistributedSGD`: the driver and its API. Beside it, driver side: the step
-path (dsgd/engine/steps.py), many steps fed by a dataset (dsgd/engine/feeding.py), starting
-actors and planning shards (dsgd/engine/launch.py), failure handling (dsgd/engine/recovery.py
-carries out dsgd/engine/failures.py) and checkpoint plumbing (dsgd/engine/checkpoints.py).
-Workers and PS actors only execute."""
+"""`DistributedSGD`: the driver's facade. Its state is made in `__init__`:
+the frozen `Config`, the actor set (actors and membership), the `Topology`
+(shard plan, PS layout), the `Progress` (steps, failures, last checkpoint) and
+the datasets' `Feeds`; `StepLoop` runs every step and `Recovery` carries out
+the failure policy. Each state object changes only through its own methods."""
 
 from __future__ import annotations
 
@@ -15,11 +15,16 @@ from typing import Any
 import numpy as np
 
 from dsgd import constants
-from dsgd.engine import checkpoints, feeding, launch, steps
-from dsgd.native import ops
+from dsgd.config import Config
+from dsgd.engine import checkpoints, feeding, launch
 from dsgd.engine.actors import ActorSet
-from dsgd.config import check_args
+from dsgd.engine.feeds import Feeds
+from dsgd.engine.loop import StepLoop
+from dsgd.engine.recovery import Recovery
+from dsgd.engine.state import Progress, Topology
+from dsgd.engine.step import per_group
 from dsgd.model import Model
+from dsgd.native import ops
 from dsgd.worker.worker import Worker
 
 logger = logging.getLogger("dsgd")
@@ -85,10 +90,25 @@ class DistributedSGD:
     Inside a placement group (e.g. a Ray Tune trial) the workers are placed in
     its bundles; otherwise they are spread over the cluster.
 
+    Keyword-only performance switches, which never change results:
+        apply_per_group: strategy "ps" with several PS groups: each worker
+            applies a group's mean as soon as it is in the store, where the
+            optimizers allow it (`per_group_blocker` says why not); False: one
+            apply per step.
+        local_steps_per_call: one worker, `train()`: steps per actor call.
+
+    The driver's state is made here and changed only by the engine's own
+    objects: `config` (this `dsgd.config.Config`, frozen), the actors and
+    membership (dsgd/engine/actors.py), the topology and progress
+    (dsgd/engine/state.py), the datasets' feeds (dsgd/engine/feeds.py).
+
     Raises, before any actor starts: TypeError/ValueError for bad arguments,
     `ResourceError` when the cluster cannot hold the workers (or, after the
     workers have built their models, when the object store cannot hold a step).
     """
+
+    __slots__ = ("config", "on_workers_changed", "_actors", "_topology", "_progress",
+                 "_feeds", "_recovery", "_loop")
 
     def __init__(self, model_creator: Callable[[int, int], Model], num_workers: int,
                  devices_per_worker: int, gpu: bool = True, strategy: str = "ps",
@@ -100,80 +120,120 @@ class DistributedSGD:
                  stall_warning_s: float | None = None, on_nonfinite: str = "raise",
                  max_failures: int = constants.DEFAULT_MAX_FAILURES, elastic: bool = False,
                  replace_hung: bool = False, worker_init: Callable[[], Any] | None = None,
-                 compression: str | None = None):
-        check_args(model_creator, num_workers, devices_per_worker, gpu, strategy,
-                   grad_shard_bytes, all_reduce_alg, num_ps, num_cpus_per_worker,
-                   step_timeout_s, start_timeout_s, stall_warning_s, on_nonfinite,
-                   max_failures, elastic, compression)
-        if not isinstance(replace_hung, bool):
-            raise TypeError(f"replace_hung must be True or False, got {replace_hung!r}")
-        if worker_init is not None and not callable(worker_init):
-            raise TypeError(f"worker_init must be callable or None, got {type(worker_init).__name__}")
+                 compression: str | None = None, apply_per_group: bool = True,
+                 local_steps_per_call: int = constants.LOCAL_STEPS_PER_CALL):
+        self.config = Config(
+            model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
+            all_reduce_alg, num_ps, num_cpus_per_worker=num_cpus_per_worker,
+            step_timeout_s=step_timeout_s, start_timeout_s=start_timeout_s,
+            stall_warning_s=stall_warning_s, on_nonfinite=on_nonfinite,
+            max_failures=max_failures, elastic=elastic, replace_hung=replace_hung,
+            worker_init=worker_init, compression=compression, apply_per_group=apply_per_group,
+            local_steps_per_call=local_steps_per_call)
         import ray
 
         if not ray.is_initialized():
             ray.init()
-        self.num_workers = num_workers
-        self.target_workers = num_workers
-        self.devices_per_worker = devices_per_worker
-        self.gpu = gpu
-        self.strategy = strategy
-        self.compression = compression
-        self.grad_shard_bytes = grad_shard_bytes
-        self.all_reduce_alg = all_reduce_alg
-        self.step_timeout_s = float(step_timeout_s)
-        self.start_timeout_s = float(start_timeout_s)
-        self.on_nonfinite = on_nonfinite
-        self.max_failures = max_failures
-        self.elastic = elastic
-        self.replace_hung = replace_hung
-        self.steps_done = 0
-        self.skipped_steps = 0
-        self.failures: list[dict] = []   # one record per recovered failure
-        self._num_ps = num_ps
-        self._last_checkpoint: str | None = None
-        self._next_grow_check = 0.0
-        self._suffix = uuid.uuid4().hex[:6]
-        self.membership = 0       # bumped whenever workers are replaced or added
-        self._feeds = {}          # data feeds by key (dsgd/engine/feeding.py), most recent last
-        self.on_workers_changed: list[Callable[[], Any]] = []  # run after recovery/growth
-        self.last_feed = None     # the feed of the last step trained from a dataset
-        self.pending_data_position = None  # restored before any dataset was used
-        options = {"num_cpus": num_cpus_per_worker,
-                   "scheduling_strategy": launch.worker_scheduling(num_workers, devices_per_worker,
-                                                                   gpu, num_cpus_per_worker)}
-        if gpu:
-            options["num_gpus"] = devices_per_worker
-        stall_s = stall_warning_s or min(constants.MAX_STALL_WARNING_S, self.step_timeout_s / 4)
-        self.actors = ActorSet((model_creator, devices_per_worker, gpu, all_reduce_alg, worker_init),
-                               options, self._suffix, stall_s)
+        config = self.config
+        # Run after recovery or elastic growth put new workers in place (copied
+        # state), e.g. so that the Trainer gives them its train() info.
+        self.on_workers_changed: list[Callable[[], Any]] = []
+        self._actors = ActorSet(
+            (model_creator, devices_per_worker, gpu, all_reduce_alg, worker_init),
+            launch.worker_options(config), uuid.uuid4().hex[:6], config.stall_report_s)
+        self._progress = Progress()
+        self._feeds = Feeds(constants.DATA_FEEDS_KEPT)
         try:
-            launch.start_workers(self, list(range(num_workers)), first=True)
-            launch.start_ps(self, num_ps)
-            launch.broadcast_state(self)  # everyone starts from worker 0 / replica 0
+            self._topology: Topology = launch.start(config, self._actors)
         except BaseException:
-            self.shutdown()
+            self._actors.shutdown()
             raise
+        self._recovery = Recovery(config, self._actors, self._topology, self._progress,
+                                  self.restore_checkpoint, self.on_workers_changed)
+        self._loop = StepLoop(config, self._actors, self._topology, self._progress,
+                              self._recovery)
 
-    # -- actors -----------------------------------------------------------------
+    # -- state, read-only --------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        """Workers now (fewer than asked for while an elastic run is shrunk)."""
+        return self._actors.num_workers
+
+    @property
+    def devices_per_worker(self) -> int:
+        return self.config.devices_per_worker
+
+    @property
+    def step_timeout_s(self) -> float:
+        return self.config.step_timeout_s
+
+    @property
+    def steps_done(self) -> int:
+        """Steps applied to every replica so far."""
+        return self._progress.steps_done
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient (on_nonfinite="skip")."""
+        return self._progress.skipped_steps
+
+    @property
+    def failures(self) -> list[dict]:
+        """One record per recovered failure: step, error, reason, recovery_s."""
+        return self._progress.failures
+
+    @property
+    def plan(self):
+        """The gradient shard plan (dsgd/comm/sharding.py)."""
+        return self._topology.plan
+
+    @property
+    def shard_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Shard indices that travel as one object per worker and step."""
+        return self._topology.groups
+
+    @property
+    def ps_assignment(self) -> tuple[int, ...]:
+        """The PS index of every shard (empty when no PS exchanges)."""
+        return self._topology.ps_of_shard
+
+    @property
+    def per_group_blocker(self) -> str | None:
+        """Why steps are applied at once rather than PS group by group (None: they
+        are not; see `apply_per_group`)."""
+        return self._topology.per_group_blocker
+
+    @property
+    def applies_per_group(self) -> bool:
+        """Whether steps apply each PS group's mean as it arrives (Worker.apply_staged)."""
+        return per_group(self.config, self._topology, self._actors)
+
     @property
     def workers(self) -> list:
-        return self.actors.workers
+        """Worker actor handles, in worker order."""
+        return self._actors.workers
 
     @property
     def ps_actors(self) -> list:
-        return [p for p in self.actors.ps if p is not None]
+        """PS actor handles, in PS order."""
+        return [p for p in self._actors.ps if p is not None]
 
     @property
     def worker_info(self) -> list[dict]:
         """What each worker's setup reported (node_id, pid, devices, ...), in worker order."""
-        return [self._info_by_slot[s] for s in self.actors.slots]
+        return [self._actors.info(s) for s in self._actors.slots]
+
+    @property
+    def instance_id(self) -> str:
+        """The id that ends the name of every actor of this instance
+        (dsgd-worker-<i>-<id>, dsgd-ps-<j>-<id>)."""
+        return self._actors.suffix
 
     @property
     def ps_info(self) -> list[dict]:
         """Node of each PS actor, in PS order. Blocks for one call per PS."""
-        return self._wait([p.ready.remote() for p in self.ps_actors], self.ps_actors, "ps_info",
-                          self.step_timeout_s)
+        handles = self.ps_actors
+        return self._wait([p.ready.remote() for p in handles], handles, "ps_info")
 
     # -- steps ------------------------------------------------------------------
     def step(self, fetch_stats: bool = False) -> dict | None:
@@ -193,35 +253,71 @@ class DistributedSGD:
         `num_workers` and `failures` (failures recovered so far).
         """
         start = time.perf_counter()
-        infos, applied, skipped = next(steps.run(self, None, 1))
+        result = next(iter(self._loop.run(None, 1)))
         if not fetch_stats:
             return None
         step_s = time.perf_counter() - start
+        infos = result.infos
         losses = [x for info in infos for x in info["losses"]] if infos else [float("nan")]
         compute_s = max(info["compute_s"] for info in infos) if infos else 0.0
-        apply_s = max(a["apply_s"] for a in applied)
+        apply_s = max(a["apply_s"] for a in result.applied)
         return {"loss": float(np.mean(losses)), "compute_s": compute_s,
                 "exchange_s": max(0.0, step_s - compute_s - apply_s), "apply_s": apply_s,
-                "step_s": step_s, "step": self.steps_done, "skipped": skipped,
+                "step_s": step_s, "step": self.steps_done, "skipped": result.skipped,
                 "skipped_steps": self.skipped_steps, "num_workers": self.num_workers,
                 "failures": len(self.failures)}
 
-    def train(self, num_steps: int | None = None, dataset=None) -> dict:
+    def train(self, num_steps: int | None = None, dataset=None, *, desc: str = "train") -> dict:
         """Run `num_steps` steps, each replica's `get_loss(batch)` getting its batch
         from `dataset` (a `dsgd.Dataset`; `get_batch` is not called), or, without
         a dataset, from the replicas' own `get_batch()`. Default `num_steps`: one
         epoch of the dataset (of the replicas' data if their `steps_per_epoch()`
-        says). A dataset continues where the last `train` on it stopped. Blocks;
-        shows a progress bar when stderr is a terminal. See dsgd/engine/feeding.py for
-        the summary it returns (`loss`, `steps`, `num_samples`, ...)."""
-        return feeding.train(self, num_steps, dataset)
+        says; until the epoch ends for Ray Data). A dataset continues where the
+        last `train` on it stopped. Blocks; shows a progress bar named `desc`
+        when stderr is a terminal. Returns a summary: `loss` (mean over the
+        steps), `steps`, `num_samples`, ... (see dsgd/engine/feeding.py)."""
+        entry = None
+        if dataset is not None:
+            entry, dropped = self._feeds.entry(dataset, self.devices_per_worker)
+            for key in dropped:
+                self._call_all("detach_data", key)
+        if num_steps is None:
+            num_steps = self._epoch_steps(entry)
+        elif isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) \
+                or num_steps < 1:
+            raise ValueError(f"num_steps must be a positive int or None (one epoch), got "
+                             f"{num_steps!r}")
+        if entry is not None:
+            self._feeds.used(entry)
+        rows = (f"{self.num_workers} worker(s) x batch_size={dataset.batch_size}"
+                if dataset is not None else "")
+        return feeding.train(self._loop, entry, num_steps, desc, rows)
 
-    def _wait(self, refs: list, owners: list, what: str, timeout_s: float) -> list:
-        return self.actors.wait(refs, owners, what, timeout_s)
+    def _epoch_steps(self, entry) -> int | None:
+        """Steps of one epoch, or None: until the data says its epoch ended."""
+        if entry is None:
+            steps = self.for_model(
+                lambda m: m.steps_per_epoch() if hasattr(m, "steps_per_epoch") else None)
+            if steps is None:
+                raise ValueError("train() without a dataset needs num_steps: the replicas' "
+                                 "steps_per_epoch() does not say how long one epoch of their "
+                                 "own data (get_batch) is")
+        else:
+            steps = entry.feed.steps_per_epoch(self.num_workers)
+            if steps is None:
+                if not entry.feed.reports_epoch_end:
+                    raise ValueError("dataset is streaming data of unknown length (a generator "
+                                     "or iterator): pass num_steps")
+                return None
+        if steps < 1:
+            raise ValueError(f"one epoch of {'the dataset' if entry else 'the replicas own data'} "
+                             "is 0 steps (fewer batches than workers/replicas?): pass num_steps")
+        return steps
 
     # -- the rest of the API ------------------------------------------------------
     def foreach_worker(self, fn: Callable[[Worker], Any]) -> list:
-        """fn(worker) on every worker actor, in worker order. Blocks."""
+        """fn(worker) on every worker actor, in worker order. Blocks, at most
+        `step_timeout_s`."""
         return self._call_all("foreach_worker", fn)
 
     def foreach_model(self, fn: Callable[[Model], Any]) -> list:
@@ -230,50 +326,101 @@ class DistributedSGD:
 
     def for_model(self, fn: Callable[[Model], Any]) -> Any:
         """fn on worker 0, replica 0. Blocks."""
-        return self._wait([self.workers[0].foreach_model.remote(fn)], self.workers[:1],
-                          "for_model", self.step_timeout_s)[0][0]
+        worker = self.workers[:1]
+        return self._wait([worker[0].foreach_model.remote(fn)], worker, "for_model")[0][0]
+
+    def run_on_workers(self, fn: Callable[..., Any], per_worker: list, *args,
+                       timeout_s: float | None = None, what: str = "run_on_workers") -> list:
+        """fn(worker, per_worker[k], *args) on worker k, in worker order (the
+        layers above use it for work split among the workers, e.g. the
+        Trainer's validation). `per_worker` is a list, or a callable returning
+        one (called again after a recovery). A worker that dies meanwhile is
+        replaced (state copied from a survivor, nothing retried in between
+        steps) and the whole call run again, so `fn` must be safe to repeat.
+        Blocks, at most `timeout_s` (default `step_timeout_s`) per attempt; a
+        timeout raises StepTimeoutError and kills nobody."""
+        from dsgd.comm.waits import actor_died_errors
+
+        while True:
+            workers = self.workers
+            args_list = per_worker() if callable(per_worker) else per_worker
+            try:
+                refs = [w.run.remote(fn, a, *args) for w, a in zip(workers, args_list)]
+                return self._wait(refs, workers, what, timeout_s)
+            except actor_died_errors() as e:
+                self._recovery.recover(e, between_steps=True)
 
     def get_weights(self) -> list[np.ndarray]:
         """Worker 0 / replica 0's trainable weights (every replica holds the same)."""
-        return self._wait([self.workers[0].get_weights.remote()], self.workers[:1],
-                          "get_weights", self.step_timeout_s)[0]
+        worker = self.workers[:1]
+        return self._wait([worker[0].get_weights.remote()], worker, "get_weights")[0]
 
     def set_weights(self, weights: list[np.ndarray]) -> None:
         """Set the trainable weights of every replica (one object-store copy)."""
         import ray
 
         ref = ray.put(list(weights))
-        self._wait([w.set_weights.remote(ref) for w in self.workers], self.workers,
-                   "set_weights", self.step_timeout_s)
+        workers = self.workers
+        self._wait([w.set_weights.remote(ref) for w in workers], workers, "set_weights")
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """Write weights, optimizer state, step count and configuration as the
         checkpoint `path` (files `path.dsgd.json` and `path.step<N>-<id>.*`),
         atomically: a crash mid-save leaves the previous checkpoint loadable.
+        Worker 0 / replica 0's state is written by the driver (no shared file
+        system needed), with the position in the dataset last trained on.
         `extra`: JSON-serialisable values stored with it (e.g. a trainer's
         epoch), which `restore_checkpoint` returns. Blocks until the files are
         fsynced. Returns `path`."""
-        return checkpoints.save(self, path, extra)
+        config, worker = self.config, self.workers[:1]
+        files = self._wait([worker[0].save_checkpoint.remote(self.steps_done)], worker,
+                           "save_checkpoint")[0]
+        meta = {"step": self.steps_done, "num_workers": self.num_workers,
+                "devices_per_worker": config.devices_per_worker, "strategy": config.strategy,
+                "compression": config.compression, "grad_shard_bytes": config.grad_shard_bytes,
+                "all_reduce_alg": config.all_reduce_alg, "on_nonfinite": config.on_nonfinite,
+                "skipped_steps": self.skipped_steps,
+                "variables": {"shapes": [list(s) for s in self.plan.shapes],
+                              "dtypes": list(self.plan.dtypes)}}
+        if self._feeds.position is not None:
+            meta["data_position"] = int(self._feeds.position)  # rows of the last dataset
+        if extra is not None:
+            meta["extra"] = extra
+        checkpoints.write(path, files, meta)
+        self._progress.saved(path)
+        return path
 
     def restore_checkpoint(self, path: str) -> dict | None:
         """Load a checkpoint written by `save_checkpoint` into every replica (any
-        number of workers). Returns the `extra` saved with it (None if none).
-        A truncated or corrupt checkpoint raises CheckpointError, one that does
-        not fit the model ModelMismatchError, both before any replica changes."""
-        return checkpoints.restore(self, path)
+        number of workers), shipped once through the object store; its data
+        position goes to the dataset last trained on (or, if none was, to the
+        next one). Returns the `extra` saved with it (None if none). A
+        truncated or corrupt checkpoint raises CheckpointError, one that does
+        not fit the model ModelMismatchError, both before any replica changes.
+        Blocks."""
+        import ray
 
-    def _call_all(self, method: str, *args) -> list:
-        workers = list(self.workers)
-        refs = [getattr(w, method).remote(*args) for w in workers]
-        return self._wait(refs, workers, method, self.step_timeout_s)
+        files, meta = checkpoints.read(path)
+        steps = self._call_all("restore_checkpoint", ray.put(files))
+        self._progress.restored(path, int(steps[0]))
+        if "data_position" in meta:
+            self._feeds.seek(int(meta["data_position"]))
+        return meta.get("extra")
 
     def shutdown(self) -> None:
         """Kill every actor. Idempotent."""
-        if hasattr(self, "actors"):
-            self.actors.shutdown()
+        self._actors.shutdown()
 
     def __enter__(self) -> DistributedSGD:
         return self
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+    # -- waits ------------------------------------------------------------------------
+    def _wait(self, refs: list, owners: list, what: str, timeout_s: float | None = None) -> list:
+        return self._actors.wait(refs, owners, what, timeout_s or self.config.step_timeout_s)
+
+    def _call_all(self, method: str, *args) -> list:
+        workers = self.workers
+        return self._wait([getattr(w, method).remote(*args) for w in workers], workers, method)

@@ -27,12 +27,16 @@ class DsgdConfig(BackendConfig):
             supported here (the engine, `dsgd.DistributedSGD`, drives several).
         timeout_s: longest wait of one exchange, in seconds; then an error names
             the PS actor or the ranks that did not answer.
+        compression: None, "fp16" or "bf16": float32 gradients travel (and are
+            averaged, in float32, then rounded once) as that 16-bit type, as
+            the engine's `compression`.
     """
 
     num_ps: int | None = None
     grad_shard_bytes: int = constants.DEFAULT_GRAD_SHARD_BYTES
     devices_per_worker: int = 1
     timeout_s: float = constants.DEFAULT_STEP_TIMEOUT_S
+    compression: str | None = None
 
     def __post_init__(self):
         for name in ("grad_shard_bytes", "devices_per_worker"):
@@ -48,6 +52,9 @@ class DsgdConfig(BackendConfig):
                              "drives several devices per worker)")
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"DsgdConfig: timeout_s must be a positive number, got {self.timeout_s!r}")
+        if self.compression is not None and self.compression not in constants.COMPRESSIONS:
+            raise ValueError(f"DsgdConfig: compression must be None or one of "
+                             f"{list(constants.COMPRESSIONS)}, got {self.compression!r}")
 
     @property
     def backend_cls(self):
@@ -55,34 +62,37 @@ class DsgdConfig(BackendConfig):
 
 
 class DsgdBackend(Backend):
-    """on_start: PS actors named dsgd-ps-<j>-<run id>, then the exchange context
-    installed in every worker; on_shutdown: the PS actors killed."""
+    """on_start: the engine's PS actors (dsgd/comm/param_server.py, placed as the
+    engine places them: PS j beside worker j), named dsgd-ps-<j>-<run id>, then
+    the exchange context installed in every worker; on_shutdown: the PS actors
+    killed."""
 
     def __init__(self):
         self.ps: list = []
 
     def on_start(self, worker_group, backend_config: DsgdConfig) -> None:
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        from dsgd.comm.param_server import (ParameterServer, ps_nodes, ps_options,
+                                            rendezvous_concurrency)
+        from dsgd.comm.waits import get_all
         from dsgd.train.exchange import install
-        from dsgd.train.ps import RendezvousPS
 
         self.on_shutdown(worker_group, backend_config)  # a restart: the old ones are useless
         workers = worker_group.get_workers()
         num_ps = backend_config.num_ps or len(workers)
         run = uuid.uuid4().hex[:6]
         names = [f"{constants.PS_NAME_PREFIX}{j}-{run}" for j in range(num_ps)]
-        remote = ray.remote(RendezvousPS)
-        self.ps = [remote.options(
-            name=name, num_cpus=constants.PS_NUM_CPUS, runtime_env=constants.ACTOR_RUNTIME_ENV,
-            max_concurrency=1000,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(
-                workers[j % len(workers)].metadata.node_id, soft=False)).remote(
-            j, backend_config.timeout_s) for j, name in enumerate(names)]
-        ray.get([p.ready.remote() for p in self.ps], timeout=backend_config.timeout_s)
+        nodes = ps_nodes(list(range(num_ps)), [w.metadata.node_id for w in workers])
+        remote = ray.remote(ParameterServer)
+        self.ps = [remote.options(name=name, max_concurrency=rendezvous_concurrency(len(workers)),
+                                  **ps_options(node)).remote(
+            j, rendezvous_timeout_s=backend_config.timeout_s)
+            for j, (name, node) in enumerate(zip(names, nodes))]
+        get_all([p.ready.remote() for p in self.ps], names, "dsgd.train: starting PS actors",
+                backend_config.timeout_s)
         worker_group.execute(install, self.ps, names, backend_config.grad_shard_bytes,
-                             backend_config.timeout_s)
+                             backend_config.timeout_s, backend_config.compression)
         logger.info("dsgd.train: %d PS actor(s) for %d worker(s): %s", num_ps, len(workers),
                     ", ".join(names))
 

@@ -1,11 +1,13 @@
 """The worker side of the Ray Train backend: which PS actors to use, and the
-allreduce of a list of gradients through them.
+mean over all workers of a list of gradients through them.
 
 The backend installs the context in every Ray Train worker process
-(`install`); `allreduce` then packs the gradients with the engine's shard plan
-(dsgd/comm/sharding.py: fusion, reverse layer order, alignment), sends each PS its
-group of shards, and unpacks the means. Exchanges are numbered in call order,
-the same on every worker (SPMD): a PS matches the workers' calls by number.
+(`install`); `mean` then packs the gradients with the engine's shard plan and
+layout (dsgd/comm/sharding.py: fusion, reverse layer order, alignment,
+compression, one group of shards per PS), sends each PS its group as one
+store object, and unpacks the means (dsgd/comm/param_server.py `reduce`).
+Exchanges are numbered in call order, the same on every worker (SPMD): a PS
+matches the workers' calls by number.
 """
 
 from __future__ import annotations
@@ -15,19 +17,22 @@ import threading
 
 import numpy as np
 
-from dsgd.errors import DsgdError, StepTimeoutError
-from dsgd.comm.sharding import assign_shards, group_shards, plan_shards
+from dsgd.comm.sharding import exchange_layout, plan_shards, to_wire
+from dsgd.comm.waits import actor_died_errors, dead_owners, get_all
+from dsgd.errors import DsgdError
 
 _CONTEXT: dict = {}
 _LOCK = threading.Lock()
 
 
-def install(ps_handles: list, ps_names: list[str], grad_shard_bytes: int, timeout_s: float) -> None:
+def install(ps_handles: list, ps_names: list[str], grad_shard_bytes: int, timeout_s: float,
+            compression: str | None = None) -> None:
     """(run in every Ray Train worker by the backend) The PS actors of this run."""
     with _LOCK:
         _CONTEXT.clear()
         _CONTEXT.update(ps=list(ps_handles), names=list(ps_names), shard_bytes=grad_shard_bytes,
-                        timeout_s=timeout_s, sequence=itertools.count(), plans={})
+                        timeout_s=timeout_s, compression=compression,
+                        sequence=itertools.count(), layouts={})
 
 
 def context() -> dict:
@@ -51,10 +56,10 @@ def next_sequence() -> int:
         return next(context()["sequence"])
 
 
-def allreduce(arrays: list[np.ndarray]) -> list[np.ndarray]:
+def mean(arrays: list[np.ndarray]) -> list[np.ndarray]:
     """The mean over all workers of each array (same shapes and dtypes on every
-    worker, same call order). Blocks, at most the backend's timeout; a dead PS
-    raises DsgdError naming it."""
+    worker, same call order), as new arrays. Blocks, at most the backend's
+    timeout; a dead PS raises DsgdError naming it."""
     import ray
 
     ctx = context()
@@ -64,22 +69,23 @@ def allreduce(arrays: list[np.ndarray]) -> list[np.ndarray]:
         return [np.array(a) for a in arrays]
     shapes = tuple(tuple(a.shape) for a in arrays)
     dtypes = tuple(np.dtype(a.dtype).name for a in arrays)
-    plan, owner, groups = _plan(ctx, shapes, dtypes)
+    plan, owner, groups = _layout(ctx, shapes, dtypes)
     flat = [np.ascontiguousarray(a).reshape(-1) for a in arrays]
-    refs, handles = [], []
+    refs, owners = [], []
     for group in groups:
         shards = tuple(plan.shards[j] for j in group)
         # One object per group (pickle 5 copies each piece once into its place in the
         # store buffer): Ray's fixed cost per object would dominate one per piece.
-        pieces = ray.put(tuple(flat[p.var_index][p.var_offset:p.var_offset + p.length]
+        pieces = ray.put(tuple(to_wire(flat[p.var_index][p.var_offset:p.var_offset + p.length],
+                                       s.dtype)
                                for s in shards for p in s.pieces))
-        handle = ctx["ps"][owner[group[0]]]
-        refs.append(handle.reduce.remote(seq, rank, size, shards, pieces))
-        handles.append(owner[group[0]])
-    means = _get(ctx, refs, handles, f"exchange {seq}")
+        ps = owner[group[0]]
+        refs.append(ctx["ps"][ps].reduce.remote(seq, rank, size, shards, pieces))
+        owners.append(ps)
+    means = _get(ctx, refs, owners, f"exchange {seq}")
     out = [None] * plan.num_shards
-    for group, mean in zip(groups, means):
-        for j, array in zip(group, mean):
+    for group, group_mean in zip(groups, means):
+        for j, array in zip(group, group_mean):
             out[j] = array
     return plan.unpack(out)
 
@@ -96,37 +102,26 @@ def broadcast(arrays: list[np.ndarray] | None, root_rank: int) -> list[np.ndarra
     return _get(ctx, [ref], [0], f"broadcast {seq}")[0]
 
 
-def _plan(ctx: dict, shapes: tuple, dtypes: tuple):
+def _layout(ctx: dict, shapes: tuple, dtypes: tuple):
+    """(plan, PS of every shard, groups) for these gradients, made once."""
     key = (shapes, dtypes)
-    if key not in ctx["plans"]:
-        plan = plan_shards(shapes, dtypes, ctx["shard_bytes"])
-        nbytes = [s.nbytes for s in plan.shards]
-        owner = assign_shards(nbytes, len(ctx["ps"]))
-        ctx["plans"][key] = (plan, owner, group_shards(owner, nbytes))
-    return ctx["plans"][key]
+    if key not in ctx["layouts"]:
+        plan = plan_shards(shapes, dtypes, ctx["shard_bytes"], compression=ctx["compression"])
+        owner, groups = exchange_layout(plan, len(ctx["ps"]))
+        ctx["layouts"][key] = (plan, owner, groups)
+    return ctx["layouts"][key]
 
 
 def _get(ctx: dict, refs: list, ps_indices: list[int], what: str) -> list:
-    import ray
-    from ray import exceptions as rx
-
-    try:  # a little longer than the PS waits, so its error naming missing ranks comes first
-        return ray.get(refs, timeout=ctx["timeout_s"] + max(10.0, 0.1 * ctx["timeout_s"]))
-    except rx.GetTimeoutError:
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        late = sorted({ctx["names"][j] for r, j in zip(refs, ps_indices) if r not in ready})
-        raise StepTimeoutError(f"dsgd.train {what}: no answer after {ctx['timeout_s']:.0f} s "
-                               f"from {', '.join(late)}") from None
-    except rx.RayActorError as e:
-        dead = set()
-        for ref, j in zip(refs, ps_indices):
-            try:
-                ray.get(ref, timeout=0.1)
-            except rx.RayActorError:
-                dead.add(ctx["names"][j])
-            except Exception:  # noqa: BLE001 - only the dead ones are named
-                pass
-        names = sorted(dead) or sorted({ctx["names"][j] for j in ps_indices})
+    """The PS answers, waiting a little longer than the PS's own rendezvous
+    timeout, so that its error naming the missing ranks comes first."""
+    timeout_s = ctx["timeout_s"] + max(10.0, 0.1 * ctx["timeout_s"])
+    try:
+        return get_all(refs, ps_indices, f"dsgd.train {what}", timeout_s,
+                       name_of=lambda j: ctx["names"][j])
+    except actor_died_errors() as e:
+        names = sorted(ctx["names"][j] for j in dead_owners(refs, ps_indices)) \
+            or sorted({ctx["names"][j] for j in ps_indices})
         raise DsgdError(f"dsgd.train {what}: PS actor {', '.join(names)} died ({type(e).__name__}); "
                         "with FailureConfig(max_failures>=1) Ray Train restarts the run from its "
                         "last checkpoint and dsgd starts new PS actors") from e

@@ -11,7 +11,7 @@ import numpy as np
 from dsgd.train import exchange
 
 
-def allreduce_tensors(tensors: list) -> list:
+def mean_tensors(tensors: list) -> list:
     """The mean over all workers of each tensor (None stays None). Works eagerly
     and inside `tf.function`; every worker must call it in the same order."""
     import tensorflow as tf
@@ -21,11 +21,11 @@ def allreduce_tensors(tensors: list) -> list:
     if not dense or exchange.world()[1] == 1:  # one worker: its gradients are the mean
         return list(tensors)
     if tf.executing_eagerly():
-        means = [tf.convert_to_tensor(m) for m in exchange.allreduce([t.numpy() for t in dense])]
+        means = [tf.convert_to_tensor(m) for m in exchange.mean([t.numpy() for t in dense])]
     else:
-        means = tf.numpy_function(lambda *arrays: exchange.allreduce(list(arrays)), dense,
+        means = tf.numpy_function(lambda *arrays: exchange.mean(list(arrays)), dense,
                                   [t.dtype for t in dense], stateful=True,
-                                  name="dsgd_allreduce")
+                                  name="dsgd_mean")
         for mean, tensor in zip(means, dense):
             mean.set_shape(tensor.shape)
     out = list(tensors)
@@ -47,7 +47,7 @@ class DistributedGradientTape:
 
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
         flat = tf.nest.flatten(grads, expand_composites=False)
-        return tf.nest.pack_sequence_as(grads, allreduce_tensors(flat))
+        return tf.nest.pack_sequence_as(grads, mean_tensors(flat))
 
     def __getattr__(self, name):
         return getattr(self._tape, name)
@@ -121,7 +121,7 @@ def _distributed_class():
             if not self.built:
                 self.build(trainable_variables)
                 self.built = True
-            self.inner_optimizer.apply(allreduce_tensors(list(grads)), trainable_variables)
+            self.inner_optimizer.apply(mean_tensors(list(grads)), trainable_variables)
 
         @property
         def learning_rate(self):

@@ -18,8 +18,6 @@ from typing import Any
 import numpy as np
 
 from dsgd import constants
-from dsgd.engine import feeding
-from dsgd.engine.actors import actor_died_errors
 from dsgd.data import Dataset
 from dsgd.data.dataset import is_ray_dataset
 from dsgd.data.feeds import RowSpans
@@ -127,7 +125,7 @@ class Trainer:
         if data is None:
             raise ValueError("nothing to train on: register_data(train_data=...) in setup, or "
                              "pass dataset= to train()")
-        summary = feeding.train(self.sgd, num_steps, None if isinstance(data, str) else data,
+        summary = self.sgd.train(num_steps, None if isinstance(data, str) else data,
                                  desc=f"epoch {epoch}")
         result = results.train_results(summary, epoch, reduce_results, profile)
         reduced = result if reduce_results else results.train_results(summary, epoch, True, False)
@@ -146,7 +144,11 @@ class Trainer:
         if self._validation_data is None:
             raise ValueError("no validation data: register_data(validation_data=...) in setup")
         start = time.perf_counter()
-        tallies = self._run_each(validate_share, self._validation_sources, num_steps, info)
+        # A worker validates its whole share in one call, so a long call is no sign of
+        # a hang: allowed VALIDATION_TIMEOUT_STEPS step timeouts, then an error.
+        tallies = self.sgd.run_on_workers(
+            validate_share, self._validation_sources, num_steps, info, what="validating",
+            timeout_s=constants.VALIDATION_TIMEOUT_STEPS * self.sgd.step_timeout_s)
         states = _sum_states([t["metric_states"] for t in tallies])
         metrics = self.sgd.for_model(lambda m: m.metric_results(states)) if states else {}
         result = results.validation_results(tallies, metrics, reduce_results,
@@ -225,9 +227,7 @@ class Trainer:
         if is_ray_dataset(data):
             return Dataset(data, batch_size=per_worker or 32 * self.devices_per_worker)
         if isinstance(data, Dataset):
-            if per_worker:
-                data.batch_size = per_worker
-            return data
+            return data.with_batch_size(per_worker) if per_worker else data
         raise TypeError(f"register_data({name}=...) must be a dsgd.Dataset, a ray.data.Dataset "
                         f"or a tf.data.Dataset, got {type(data).__name__}")
 
@@ -239,7 +239,7 @@ class Trainer:
         if data.is_ray_data:  # not equal=True: that would drop rows
             return [("ray", it, data.batch_size, data.transform)
                     for it in data.data.streaming_split(workers, equal=False)]
-        stream = data._feed(self.sgd).stream
+        stream = data._feed(self.sgd.devices_per_worker).stream
         if stream.length is None:
             raise ValueError("validation data must have a known length (not a generator)")
         n, b = stream.length, data.batch_size
@@ -254,22 +254,6 @@ class Trainer:
                                         [(lo, hi) for _, lo, hi in spans], start))
             sources.append(("rows", batches, data.transform, self.sgd.step_timeout_s))
         return sources
-
-    def _run_each(self, fn: Callable, sources: Callable[[], list], *args) -> list:
-        """fn(worker, source, *args) on every worker, one source each, each call at
-        most VALIDATION_TIMEOUT_STEPS x step_timeout_s (a worker validates its whole
-        share in one call, so a long call is no sign of a hang: a timeout raises,
-        it kills nobody); a worker that dies is replaced and the whole call redone."""
-        from dsgd.engine import recovery
-
-        timeout_s = constants.VALIDATION_TIMEOUT_STEPS * self.sgd.step_timeout_s
-        while True:
-            workers = list(self.sgd.workers)
-            try:
-                refs = [w.run.remote(fn, source, *args) for w, source in zip(workers, sources())]
-                return self.sgd._wait(refs, workers, "validating", timeout_s)
-            except actor_died_errors() as e:
-                recovery.recover(self.sgd, e, between_steps=True)  # no step under way
 
     def _resend_info(self) -> None:
         info = self._info

@@ -98,7 +98,7 @@ class Replicas:
         """Compile the step functions for this shard plan. Unless `on_nonfinite`
         is "ignore", every replica's gradient is checked for NaN/Inf. With
         "skip", `local_step` applies only finite steps; that gate makes the
-        update wait for every gradient (measured ~8-11 % of a small CNN's step),
+        update wait for every gradient (benchmarks/results/MEASUREMENTS.md),
         so with "raise" each variable's update runs right after its own
         gradient's check, whatever the result, and the caller raises afterwards."""
 
@@ -282,8 +282,8 @@ class Replicas:
             tf.cond(tf.reduce_all(finite), lambda: self._apply_and_true(means), lambda: False)
         else:
             # Variable k's update runs right after the checks of its gradient, which
-            # then reads it from cache: the check costs ~0 on ResNet-50 this way
-            # (it cost 2-5 % run as a separate pass over the gradients).
+            # then reads it from cache (a separate pass over the gradients cost
+            # more: benchmarks/results/MEASUREMENTS.md).
             self._apply_means([[_after(g, [f[k] for f in flags]) for k, g in enumerate(m)]
                                for m in means])
         return losses, finite, metrics
@@ -378,8 +378,8 @@ def _finite_flags(grads, gpu: bool) -> list:
     """Per gradient: a scalar bool tensor "every element is finite", or None
     (not a floating type). On CPU, dsgd's op checks each gradient in one read,
     as soon as the backward pass produces it; TensorFlow's is_finite +
-    reduce_all writes and re-reads a bool tensor per gradient (measured ~2 %
-    slower on ResNet-50, 5 % on the MNIST CNN, 2 cores)."""
+    reduce_all writes and re-reads a bool tensor per gradient (slower:
+    benchmarks/results/MEASUREMENTS.md)."""
     import tensorflow as tf
 
     native = (tf.float16, tf.bfloat16, tf.float32, tf.float64)

@@ -1,11 +1,25 @@
 """The worker actor: one process holding `devices_per_worker` replicas.
 
-The driver wraps `Worker` with `ray.remote`; it only executes what the driver
-asks. Call order: `setup()` once, `configure(plan)` once, then per step either
-`local_step()` (one worker: no exchange) or `compute(groups)` then
-`apply(groups, *group_means)`. A step's batches come from each replica's
-`get_batch()`, or, when the driver passes `data`, from the loader that
-`attach_data` installed (a `dsgd.Dataset`'s; see dsgd/data/feeds.py).
+The driver wraps `Worker` with `ray.remote` and calls it; a worker also
+calls PS actors (`apply_staged` waits on their means) and, when a PS died
+mid-step, averages that group itself. Call order:
+
+1. `setup()` once (imports TensorFlow, builds the replicas), then
+   `configure(plan)` once per shard plan (compiles the step functions);
+2. `attach_data(key, loader)` / `detach_data(key)` when a `dsgd.Dataset`
+   feed starts or ends (see dsgd/data/feeds.py);
+3. per step, one of
+   - `local_step(data)` or `local_steps(datas, run)` (one worker: no exchange),
+   - `compute(groups, data)` (streamed gradient groups), then `apply(groups,
+     *means)` (the driver passes every group's mean) or `apply_staged(groups,
+     mean_refs, grad_refs, ...)` (each group applied as its mean arrives);
+4. any time between steps: state and checkpoints (`get_state`, `set_state`,
+   `get_full_state`, `set_full_state`, `get/set_weights`, `save_checkpoint`,
+   `restore_checkpoint`), `ping`, and the user's `foreach_model`,
+   `foreach_worker` and `run(fn, *args)`.
+
+A step's batches come from each replica's `get_batch()`, or, when the driver
+passes `data`, from the loader that `attach_data` installed.
 
 `applied_steps` counts the steps this worker has applied; the driver reads it
 (`ping`) after a failure to tell whether the interrupted step was applied.
@@ -63,10 +77,10 @@ class Worker:
 
     def _freeze_gc_once(self) -> None:
         """After the first step (TensorFlow, Keras and the traced step are built),
-        move every object alive into Python's permanent GC generation. A worker
-        holds ~400 K such objects; a full collection walked all of them about
-        once every 10 steps, ~20-25 ms of CPU per step on average (measured on a
-        100 MiB model, 2 cores). Objects made later are collected as usual."""
+        move every object alive into Python's permanent GC generation, so that
+        full collections stop walking them every few steps (what that cost:
+        benchmarks/results/MEASUREMENTS.md). Objects made later are collected
+        as usual."""
         if not self._gc_frozen:
             import gc
 

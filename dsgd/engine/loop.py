@@ -1,0 +1,243 @@
+"""The step loop: the only place where steps are submitted, counted, and
+recovered from (driver side).
+
+`StepLoop.run` makes steps one after the other as a generator of
+`StepResult`s. With several workers each unit is one `ExchangeStep`; with one
+worker, a `LocalSteps` call of up to `local_steps_per_call` steps (one when
+the caller stops it). While a unit finishes, the next one is submitted
+(*ahead*): Ray runs an actor's calls in order, so each worker starts the next
+step the moment it has applied this one instead of idling for a round trip to
+the driver. Nothing of a step in flight touches weights before the step
+before it has been checked and applied (several workers: its applies are
+submitted only after this step's; one worker: the worker halts a run after a
+step that stops it), so results are those of steps run one at a time.
+
+One failure path: an actor that died (or hung, with `replace_hung`) is
+recovered by `Recovery` and the interrupted unit retried unless its step had
+been applied; the unit ahead is dropped and submitted again. Any other error
+first waits for what is already on its way to be applied and counts it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+
+from dsgd.comm.waits import actor_died_errors
+from dsgd.config import Config
+from dsgd.engine.actors import ActorSet
+from dsgd.engine.feeds import FeedEntry
+from dsgd.engine.recovery import Recovery, first_line
+from dsgd.engine.state import Progress, Topology
+from dsgd.engine.step import ExchangeStep, LocalSteps, StepResult
+from dsgd.errors import DsgdError, NonFiniteError, StepTimeoutError
+
+logger = logging.getLogger("dsgd")
+
+
+class StepLoop:
+    def __init__(self, config: Config, actors: ActorSet, topology: Topology, progress: Progress,
+                 recovery: Recovery):
+        self.config, self.actors, self.topology = config, actors, topology
+        self.progress, self.recovery = progress, recovery
+        self._run_ids = itertools.count(1)
+
+    def run(self, entry: FeedEntry | None, count: int | None) -> Iterator[StepResult]:
+        """`count` steps (None: until the caller stops, which then must not need
+        the step in flight to be applied), each replica's batch from `entry`'s
+        feed (None: get_batch). Yields each step's result once it is counted,
+        and epoch ends (not counted) as they come. Raises NonFiniteError (under
+        on_nonfinite="raise"), DsgdError for a failure the policy does not
+        recover from, and any error of a step."""
+        run_id = next(self._run_ids)
+        done, pending = 0, None
+        while count is None or done < count:
+            ahead = None
+            try:
+                if pending is None:
+                    self.recovery.maybe_grow()
+                    pending = self._submit(entry, run_id, 0, count, done)
+                results = self._early_results(pending)
+                if results is None:
+                    if self._may_run_ahead(pending, count, done):
+                        ahead = self._submit(entry, run_id, pending.size, count,
+                                             done + pending.size)
+                    results = pending.finish()
+                    if ahead is not None and not ahead.exchanges:
+                        ahead.started()
+            except (*actor_died_errors(), StepTimeoutError) as e:
+                if isinstance(e, StepTimeoutError) and not (self.config.replace_hung and e.late):
+                    raise
+                workers = len(pending.workers) if pending is not None else 0
+                pending = ahead = None  # both went to actors that may be gone: redone
+                if not self._recover(e):
+                    continue  # retry
+                results = [StepResult(None, [{"apply_s": 0.0}], workers)]
+            except BaseException:
+                # Not an actor failure (a non-finite gradient under "raise" before any
+                # apply, the next step's data failing, a step raising): what is on its
+                # way to be applied is waited for and counted.
+                self._drain(pending, entry)
+                self._drain(ahead, entry)
+                raise
+            pending = ahead
+            for result in results:
+                if result.epoch_end:
+                    yield result
+                    continue
+                if result.error is not None:
+                    self._drain(pending, entry)
+                    raise result.error
+                error = self._count(result, entry)
+                if error is not None:  # one worker, "raise": the step was applied
+                    self._drain(pending, entry)
+                    raise error
+                done += 1
+                pending = self._replace_fallen_ps(result, pending)
+                yield result
+
+    # -- units -----------------------------------------------------------------------------
+    def _submit(self, entry: FeedEntry | None, run_id: int, offset: int, count: int | None,
+                done: int):
+        """The unit whose first step is `offset` steps after the next one."""
+        number = self.progress.steps_done + offset + 1
+        if self.actors.num_workers > 1:
+            return ExchangeStep(self.config, self.actors, self.topology,
+                                self._step_args(entry, offset), number).submit()
+        size = 1
+        if count is not None and self.actors.num_workers == self.config.num_workers:
+            size = min(self.config.local_steps_per_call, count - done)
+        data = [self._step_args(entry, offset + k)[0] for k in range(size)]
+        return LocalSteps(self.config, self.actors, data, run_id, number).submit()
+
+    def _step_args(self, entry: FeedEntry | None, ahead: int) -> list:
+        """Each worker's data argument for the step `ahead` steps after the next one
+        (None: get_batch), after sending the workers the feed's loaders if they
+        are new to them or the workers changed."""
+        workers = self.actors.workers
+        if entry is None:
+            return [None] * len(workers)
+        if entry.needs_loaders(self.actors.membership):
+            loaders = entry.feed.loaders(len(workers), self.config.step_timeout_s)
+            self.actors.wait([w.attach_data.remote(entry.key, loader)
+                              for w, loader in zip(workers, loaders)], workers,
+                             "attaching data loaders", self.config.step_timeout_s)
+            entry.loaders_sent(self.actors.membership)
+        return [(entry.key, arg) for arg in
+                entry.feed.step_args(len(workers), ahead, self.config.step_timeout_s)]
+
+    def _may_run_ahead(self, pending, count: int | None, done: int) -> bool:
+        if count is not None and done + pending.size >= count:
+            return False
+        if self.actors.num_workers < self.config.num_workers:
+            return False  # elastic: growing back needs a quiet moment
+        # One worker would apply a step ahead by itself: only when it was asked for.
+        return count is not None or pending.exchanges
+
+    def _early_results(self, step) -> list[StepResult] | None:
+        """Several workers: the step's reports; a step that ends an epoch or is
+        skipped ends here, one with a non-finite gradient under "raise" raises
+        (nothing applied); otherwise the exchange starts and None is returned."""
+        if not step.exchanges:
+            return None
+        infos = step.reports()
+        ended = [i for i, info in enumerate(infos) if info.get("epoch_end")]
+        if ended:
+            if len(ended) < len(infos):
+                raise DsgdError(f"{step.label}: the data of worker(s) {ended} ended its epoch "
+                                "before the others': every worker's share must have as many batches")
+            return [step.result(epoch_end=True)]
+        bad = self._nonfinite(infos)
+        if bad:
+            if self.config.on_nonfinite == "raise":
+                raise self._nonfinite_error(self.progress.steps_done + 1, bad, applied=False)
+            return [step.result(skipped=True)]
+        step.exchange()
+        return None
+
+    # -- counting --------------------------------------------------------------------------
+    def _count(self, result: StepResult, entry: FeedEntry | None) -> NonFiniteError | None:
+        """Count one step, applied or skipped, and move the data on by the rows of
+        the workers it ran on. Returns the NonFiniteError to raise for an applied
+        step with a non-finite gradient (one worker, on_nonfinite="raise")."""
+        bad = self._nonfinite(result.infos) if result.infos is not None else []
+        if bad and result.skipped:
+            logger.warning("step %d skipped: non-finite gradient on %s.%s",
+                           self.progress.steps_done + 1,
+                           ", ".join(f"worker {w} replica {r}" for w, r in bad), self._fp16_hint())
+        self.progress.count(result.skipped)
+        if entry is not None:
+            entry.feed.advance(result.workers)
+        if bad and not result.skipped and self.config.on_nonfinite == "raise":
+            return self._nonfinite_error(self.progress.steps_done, bad, applied=True)
+        return None
+
+    def _drain(self, unit, entry: FeedEntry | None) -> None:
+        """Wait for a unit whose outcome no one will read (another error is being
+        raised) if it will apply steps by itself, and count what it applied or
+        skipped; its own errors give way to the one being raised."""
+        if unit is None or not unit.applies_pending:
+            return
+        try:
+            results = unit.finish()
+        except Exception:  # noqa: BLE001 - the caller's error is the one to report
+            return
+        for result in results:
+            if result.epoch_end or result.error is not None:
+                continue
+            if self._count(result, entry) is not None:  # its NonFiniteError would hide the caller's
+                logger.warning("step %d: non-finite gradient on replica(s) %s, applied "
+                               "(reported here: another error is being raised)",
+                               self.progress.steps_done,
+                               [r for info in result.infos for r, ok in enumerate(info["finite"])
+                                if not ok])
+
+    def _nonfinite(self, infos: list[dict]) -> list[tuple[int, int]]:
+        """(worker slot, replica) of every non-finite gradient."""
+        return [(slot, r) for slot, info in zip(self.actors.slots, infos)
+                for r, ok in enumerate(info["finite"]) if not ok]
+
+    def _nonfinite_error(self, step: int, bad: list, applied: bool) -> NonFiniteError:
+        if applied:  # one worker: the update ran alongside the check (see Replicas.configure)
+            outcome = ("the update was applied (with one worker the check runs alongside it): "
+                       "the weights now hold NaN/Inf; restore a checkpoint. Pass "
+                       "on_nonfinite='skip' to check before updating and skip such steps.")
+        else:
+            outcome = "no weights were changed. Pass on_nonfinite='skip' to skip such steps."
+        slot, r = bad[0]
+        return NonFiniteError(
+            f"step {step}: non-finite gradient (NaN or Inf) on worker {slot}, replica {r} "
+            f"(global replica {slot * self.config.devices_per_worker + r})"
+            + (f" and {len(bad) - 1} more" if len(bad) > 1 else "") + "; " + outcome
+            + self._fp16_hint())
+
+    def _fp16_hint(self) -> str:
+        if self.config.compression != "fp16" or self.actors.num_workers == 1:
+            return ""
+        return (" With compression='fp16' this includes a mean gradient beyond float16's range "
+                "(|g| >= 65520 rounds to Inf): use compression='bf16' (float32's range), or none.")
+
+    # -- failures --------------------------------------------------------------------------
+    def _recover(self, error: BaseException) -> bool:
+        """Kill the actors a StepTimeoutError names (replace_hung), then recover
+        as from a death. Returns True if the interrupted step had been applied."""
+        if isinstance(error, StepTimeoutError):
+            logger.warning("step %d: killing hung actor(s) %s to replace them (%s)",
+                           self.progress.steps_done + 1,
+                           ", ".join(self.actors.name(h) for h in error.late), first_line(error))
+            for handle in error.late:
+                self.actors.kill(handle)
+        return self.recovery.recover(error)
+
+    def _replace_fallen_ps(self, result: StepResult, pending):
+        """After a step the workers completed by computing a dead PS's means
+        themselves (already counted): replace that PS now. If a worker was found
+        dead too and replaced, the unit ahead went to the old workers: it is
+        dropped (returns None) and submitted again."""
+        fallen = sorted({g for a in result.applied for g in a.get("ps_fallback", ())})
+        if not fallen:
+            return pending
+        workers = self.actors.workers
+        self.recovery.replace_dead_ps(fallen)
+        return pending if self.actors.workers == workers else None

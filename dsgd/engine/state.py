@@ -1,0 +1,94 @@
+"""The driver's state besides its actors (dsgd/engine/actors.py): what the model
+fixes for an object's life (`Topology`) and what the run has done so far
+(`Progress`). `DistributedSGD` makes one of each in `__init__`; a `Topology`
+never changes, a `Progress` changes only through its own methods."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dsgd.comm.sharding import Shard, ShardPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """How gradients travel, fixed by the first workers' model.
+
+    signature: the variables' names, shapes and dtypes (replacement workers must match).
+    plan: the shard plan (strategy "simple": one shard per variable).
+    ps_of_shard: the PS index of every shard; () when no PS exchanges (strategy
+        "simple", or one worker).
+    groups: the shard indices that travel as one object per worker and step
+        (one group per PS under "ps"; one per shard under "simple").
+    per_group_blocker: why steps cannot be applied PS group by group with these
+        optimizers (None: they can; see Replicas.per_group_blocker).
+    warm_store_bytes: how much of its object-store mapping each actor warms.
+    """
+
+    signature: dict
+    plan: ShardPlan
+    ps_of_shard: tuple[int, ...]
+    groups: tuple[tuple[int, ...], ...]
+    per_group_blocker: str | None
+    warm_store_bytes: int
+
+    @property
+    def num_ps(self) -> int:
+        return max(self.ps_of_shard, default=-1) + 1
+
+    @property
+    def group_shards(self) -> tuple[tuple[Shard, ...], ...]:
+        """The `Shard`s of every group."""
+        return tuple(tuple(self.plan.shards[j] for j in group) for group in self.groups)
+
+    def ps_of_group(self, g: int) -> int:
+        return self.ps_of_shard[self.groups[g][0]]
+
+
+class Progress:
+    """Steps applied and skipped, failures recovered and the last checkpoint
+    written or restored: the record the failure policy and checkpoints read."""
+
+    def __init__(self):
+        self._steps_done = 0
+        self._skipped_steps = 0
+        self._failures: list[dict] = []
+        self._last_checkpoint: str | None = None
+
+    @property
+    def steps_done(self) -> int:
+        """Steps applied to every replica."""
+        return self._steps_done
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient (on_nonfinite="skip")."""
+        return self._skipped_steps
+
+    @property
+    def failures(self) -> list[dict]:
+        """One record per recovered failure: step, error, reason, recovery_s (a copy)."""
+        return list(self._failures)
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        return self._last_checkpoint
+
+    def count(self, skipped: bool) -> None:
+        """One more step applied, or skipped."""
+        if skipped:
+            self._skipped_steps += 1
+        else:
+            self._steps_done += 1
+
+    def restored(self, path: str, steps_done: int) -> None:
+        """A checkpoint was restored: the step count is the one saved with it."""
+        self._last_checkpoint = path
+        self._steps_done = int(steps_done)
+
+    def saved(self, path: str) -> None:
+        self._last_checkpoint = path
+
+    def failed(self, record: dict) -> None:
+        """A failure was recovered (record: step, error, reason, recovery_s)."""
+        self._failures.append(dict(record))
