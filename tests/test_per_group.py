@@ -47,7 +47,9 @@ def run(creator, per_group: bool, steps_to_run=STEPS):
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 
 
-@pytest.mark.parametrize("optimizer", ["adam_schedule", "adamw_schedule"])
+# adamw_schedule (~14 s) is `slow`: the same per-group path as adam_schedule, plus weight decay.
+@pytest.mark.parametrize("optimizer", ["adam_schedule",
+                                       pytest.param("adamw_schedule", marks=pytest.mark.slow)])
 def test_adam_with_a_schedule_per_group_equals_one_apply_and_the_reference(optimizer):
     creator = tiny.creator(1, BATCH, optimizer)
     initial, staged, staged_state, facts = run(creator, True)
@@ -100,6 +102,18 @@ def keyed(w, d):
     return tiny.StepKeyedModel(w, d, 1, BATCH)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted():
+    """keyed's weights after 4 and after 5 uninterrupted steps: one run for the module."""
+    with make(keyed) as sgd:
+        weights = {}
+        for step in range(1, 6):
+            sgd.step()
+            if step >= 4:
+                weights[step] = sgd.get_weights()
+        return weights
+
+
 def assert_as_uninterrupted(final, replicas, uninterrupted) -> None:
     """Bit for bit: the weights of the uninterrupted run, the same on every replica."""
     for got, want in zip(final, uninterrupted, strict=True):
@@ -109,17 +123,13 @@ def assert_as_uninterrupted(final, replicas, uninterrupted) -> None:
 
 
 @pytest.mark.parametrize("last_group", [True, False])
-def test_a_ps_dead_mid_step_the_workers_compute_its_mean(last_group):
+def test_a_ps_dead_mid_step_the_workers_compute_its_mean(last_group, uninterrupted):
     """A PS is dead when step 3 starts (train(), step 4 in flight): the workers
     apply group by group, compute that PS's mean themselves from the gradients
     in the store, and complete the step; the driver then replaces the PS (a
     recovered failure, the step not retried). With the PS of the last group,
     group 0 is applied before the mean is found missing. The weights are those
     of an uninterrupted run, bit for bit."""
-    with make(keyed) as sgd:
-        for _ in range(4):
-            sgd.step()
-        uninterrupted = sgd.get_weights()
     with make(keyed) as sgd:
         sgd.step()
         sgd.step()
@@ -137,7 +147,7 @@ def test_a_ps_dead_mid_step_the_workers_compute_its_mean(last_group):
         assert applied == [4, 4]
         final = sgd.get_weights()
         replicas = sgd.foreach_model(lambda m: m.get_weights())
-    assert_as_uninterrupted(final, replicas, uninterrupted)
+    assert_as_uninterrupted(final, replicas, uninterrupted[4])
 
 
 def test_per_group_blocker_names_what_needs_every_gradient():
@@ -228,17 +238,16 @@ def test_a_worker_that_cannot_finish_a_partly_applied_step_exits():
     assert left["num_objects"] <= start["num_objects"], (left, start)
 
 
-def test_a_worker_found_dead_after_a_ps_fallback_resubmits_the_step_ahead(monkeypatch):
+# Two instances and three failures at once (~18 s): `slow`. The default run keeps each
+# alone (test_a_ps_dead_mid_step_the_workers_compute_its_mean, test_recovery.py).
+@pytest.mark.slow
+def test_a_worker_found_dead_after_a_ps_fallback_resubmits_the_step_ahead(monkeypatch,
+                                                                          uninterrupted):
     """train(), step 4 in flight: step 3 completes with the workers computing a
     dead PS's mean, and worker 1 is found dead too when the driver then replaces
     the PS (killed here just before it looks). Recovery copies worker 0's state
     to a replacement, between steps (nothing retried), and step 4, submitted to
     the old workers, is submitted again: the run ends as an uninterrupted one."""
-    with make(keyed) as sgd:
-        for _ in range(5):
-            sgd.step()
-        uninterrupted = sgd.get_weights()
-
     real, killed = Recovery.replace_dead_ps, []
 
     def worker_dies_first(recovery, groups):
@@ -269,4 +278,4 @@ def test_a_worker_found_dead_after_a_ps_fallback_resubmits_the_step_ahead(monkey
         assert [ray.get(w.ping.remote(), timeout=60)["applied_steps"] for w in sgd.workers] == [5, 5]
         final = sgd.get_weights()
         replicas = sgd.foreach_model(lambda m: m.get_weights())
-    assert_as_uninterrupted(final, replicas, uninterrupted)
+    assert_as_uninterrupted(final, replicas, uninterrupted[5])

@@ -54,6 +54,9 @@ def test_shards_ranks_and_exact_gradients(tmp_path):
     assert all("dsgd.comm.param_server.ParameterServer" in mro for mro in classes), classes
 
 
+# Two Ray Train runs (~30 s): `slow`. The default run keeps Ray Train's failure errors
+# (test_a_dead_ps_is_an_error_naming_it, test_a_missing_rank_times_out_naming_it).
+@pytest.mark.slow
 def test_a_worker_killed_mid_fit_restarts_from_the_checkpoint(tmp_path):
     marker = tmp_path / "killed"
     trainer = dt.DsgdTrainer(raytrain_loops.resuming_loop,

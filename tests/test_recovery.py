@@ -37,12 +37,22 @@ def make(creator, strategy="ps", **kwargs):
                                num_ps=2, step_timeout_s=120, **kwargs)
 
 
+UNINTERRUPTED: list = []  # keyed_creator's weights after STEPS uninterrupted steps
+
+
+def run_uninterrupted(sgd) -> list:
+    for _ in range(STEPS):
+        sgd.step()
+    return sgd.get_weights()
+
+
 @pytest.fixture(scope="module")
 def uninterrupted():
-    with make(keyed_creator) as sgd:
-        for _ in range(STEPS):
-            sgd.step()
-        return sgd.get_weights()
+    """Taken from TestOneInstance's instance, which runs first; its own run otherwise."""
+    if not UNINTERRUPTED:
+        with make(keyed_creator) as sgd:
+            UNINTERRUPTED.append(run_uninterrupted(sgd))
+    return UNINTERRUPTED[0]
 
 
 def assert_same_weights(sgd, expected):
@@ -58,18 +68,71 @@ def pid_of(handle):
     return ray.get(handle.ping.remote(), timeout=60)["pid"]
 
 
-def test_worker_killed_between_steps(uninterrupted):
+def fresh(keyed):
+    """(the shared instance at step 0, the number of failures it has recorded so far)."""
+    sgd, initial = keyed
+    sgd.restore_checkpoint(initial)
+    assert sgd.steps_done == 0
+    return sgd, len(sgd.failures)
+
+
+@pytest.fixture(scope="class")
+def keyed(tmp_path_factory):
+    """TestOneInstance's instance and the checkpoint of its initial state."""
     with make(keyed_creator) as sgd:
+        initial = sgd.save_checkpoint(str(tmp_path_factory.mktemp("keyed") / "initial"))
+        if not UNINTERRUPTED:
+            UNINTERRUPTED.append(run_uninterrupted(sgd))
+        yield sgd, initial
+
+
+class TestOneInstance:
+    """Tests that need only a fresh make(keyed_creator) share one instance, reset by
+    restoring its initial checkpoint (`fresh`): its replaced workers and PS actors
+    stay, failures count over the object's life. Runs first in the module and shuts
+    its instance down before the others start theirs (2 of the cluster's 4 CPUs)."""
+
+    def test_worker_killed_between_steps(self, keyed, uninterrupted):
+        sgd, before = fresh(keyed)
         sgd.step()
         sgd.step()
         os.kill(pid_of(sgd.workers[1]), signal.SIGKILL)
         stats = [sgd.step(fetch_stats=True) for _ in range(STEPS - 2)]
-        assert sgd.steps_done == STEPS and stats[-1]["failures"] == 1
-        assert sgd.failures[0]["recovery_s"] > 0 and "worker(s) 1 died" in sgd.failures[0]["reason"]
+        assert sgd.steps_done == STEPS and stats[-1]["failures"] == before + 1
+        failure = sgd.failures[before]
+        assert failure["recovery_s"] > 0 and "worker(s) 1 died" in failure["reason"]
         assert_same_weights(sgd, uninterrupted)
 
+    def test_ps_killed_between_steps(self, keyed, uninterrupted):
+        sgd, before = fresh(keyed)
+        sgd.step()
+        os.kill(pid_of(sgd.ps_actors[1]), signal.SIGKILL)
+        for _ in range(STEPS - 1):
+            sgd.step()
+        assert len(sgd.failures) == before + 1
+        assert "PS actor(s) 1 died" in sgd.failures[before]["reason"]
+        assert len(sgd.ps_actors) == 2
+        assert_same_weights(sgd, uninterrupted)
 
-@pytest.mark.parametrize("strategy", ["ps", "simple"])
+    def test_no_room_without_elastic_names_the_option(self, keyed):
+        # The last test of the class: the shared instance is left with a dead worker.
+        free = ray.cluster_resources()["CPU"]
+        sgd, _ = fresh(keyed)
+        sgd.step()
+        os.kill(pid_of(sgd.workers[1]), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while ray.available_resources().get("CPU", 0) < free - 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        blocker = block_free_cpus()
+        try:
+            with pytest.raises(dsgd.DsgdError, match="no free resources.*elastic=True"):
+                sgd.step()
+        finally:
+            ray.kill(blocker)
+
+
+# "simple" (~11 s) is `slow`: the same retry as "ps", whole gradients through the driver.
+@pytest.mark.parametrize("strategy", ["ps", pytest.param("simple", marks=pytest.mark.slow)])
 def test_worker_killed_during_a_step(uninterrupted, tmp_path, strategy):
     marker = str(tmp_path / "killed")
     with make(killing_creator(2, 1, marker), strategy) as sgd:
@@ -91,17 +154,6 @@ def test_worker_killed_while_applying_is_not_applied_twice(uninterrupted, tmp_pa
         assert os.path.exists(marker)
         assert len(sgd.failures) == 1 and "not retried" in sgd.failures[0]["reason"]
         assert sgd.steps_done == STEPS
-        assert_same_weights(sgd, uninterrupted)
-
-
-def test_ps_killed_between_steps(uninterrupted):
-    with make(keyed_creator) as sgd:
-        sgd.step()
-        os.kill(pid_of(sgd.ps_actors[1]), signal.SIGKILL)
-        for _ in range(STEPS - 1):
-            sgd.step()
-        assert len(sgd.failures) == 1 and "PS actor(s) 1 died" in sgd.failures[0]["reason"]
-        assert len(sgd.ps_actors) == 2
         assert_same_weights(sgd, uninterrupted)
 
 
@@ -214,22 +266,6 @@ def test_elastic_shrinks_when_no_room_and_grows_back(monkeypatch, caplog):
             np.testing.assert_array_equal(x, y)
 
 
-def test_no_room_without_elastic_names_the_option():
-    free = ray.cluster_resources()["CPU"]
-    with make(keyed_creator) as sgd:
-        sgd.step()
-        os.kill(pid_of(sgd.workers[1]), signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while ray.available_resources().get("CPU", 0) < free - 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        blocker = block_free_cpus()
-        try:
-            with pytest.raises(dsgd.DsgdError, match="no free resources.*elastic=True"):
-                sgd.step()
-        finally:
-            ray.kill(blocker)
-
-
 def keyed_examples(n, batch):
     """tiny's data as examples: replica r's batch at step t, row by row."""
     return [row for t in range(n) for r in range(2) for row in zip(*tiny.make_batch(r, t, batch))]
@@ -250,6 +286,9 @@ class KillInTransform:
         return x, y
 
 
+# Two instances (~18 s): `slow`. The default run keeps a worker killed inside
+# train(dataset=...) (test_data_ray.py::test_a_worker_killed_mid_epoch_restarts_the_split).
+@pytest.mark.slow
 def test_worker_killed_mid_train_ends_with_the_same_weights(tmp_path):
     examples = [(x, y, i) for i, (x, y) in enumerate(keyed_examples(6, 4))]
 
