@@ -323,7 +323,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     import ray
 
-    store = int(max(args.sizes) * MIB * (args.workers + args.ps) * 3)
+    # Ray refuses an object store under 75 MiB; small --sizes get that floor.
+    store = max(int(max(args.sizes) * MIB * (args.workers + args.ps) * 3), 80 * MIB)
     if args.preallocate_store:
         os.environ["RAY_preallocate_plasma_memory"] = "1"
     ray.init(address="local", num_cpus=max(4, args.workers), object_store_memory=store,
