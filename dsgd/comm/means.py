@@ -16,11 +16,13 @@ from dsgd.native import _core
 _HALF_FORMATS = {"float16": "f16", "bfloat16": "bf16"}
 
 
-def group_means(shards, worker_groups) -> tuple:
+def group_means(shards, worker_groups, scale: float | None = None) -> tuple:
     """The mean over workers of each shard of a group, as new arrays: what a PS's
     `mean` returns, computed where no PS is (strategy "simple", a fallen PS,
-    the Ray Train exchange). `worker_groups` as `ParameterServer.mean` takes them."""
-    return tuple(mean_shard(s, p) for s, p in zip(shards, split_group(shards, worker_groups)))
+    the Ray Train exchange). `worker_groups` as `ParameterServer.mean` takes them.
+    `scale` replaces the mean's 1/workers (1.0: the sum)."""
+    return tuple(mean_shard(s, p, scale=scale)
+                 for s, p in zip(shards, split_group(shards, worker_groups)))
 
 
 def split_group(shards, worker_groups) -> list[list[tuple]]:
@@ -37,14 +39,17 @@ def split_group(shards, worker_groups) -> list[list[tuple]]:
     return per_shard
 
 
-def mean_shard(shard: Shard, worker_pieces, out: np.ndarray | None = None) -> np.ndarray:
+def mean_shard(shard: Shard, worker_pieces, out: np.ndarray | None = None,
+               scale: float | None = None) -> np.ndarray:
     """Mean over workers of one shard given as each worker's tuple of pieces,
     written into `out` (a new array if None) in the shard's layout. 16-bit
     shards (float16, bfloat16 as uint16 bits: compressed gradients) are summed
-    in float32 and the mean rounded back to 16 bits."""
+    in float32 and the mean rounded back to 16 bits. `scale` replaces the
+    mean's 1/workers (1.0: the sum, exact for two workers)."""
     if out is None:
         out = np.empty(shard.num_elements, shard.wire_numpy_dtype)
-    scale = 1.0 / len(worker_pieces)
+    if scale is None:
+        scale = 1.0 / len(worker_pieces)
     half = _HALF_FORMATS.get(shard.dtype)
     cursor = 0
     for k, piece in enumerate(shard.pieces):

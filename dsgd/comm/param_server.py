@@ -51,6 +51,14 @@ class ParameterServer:
 
         return {"node_id": ray.get_runtime_context().get_node_id()}
 
+    def warm_store(self, max_bytes: int) -> int:
+        """Warm this process's object-store mapping up to `max_bytes` (store.warm),
+        if not warmed that far already (the Ray Train exchange asks once it knows
+        the gradients' size). Blocks in proportion; returns the bytes warmed."""
+        if max_bytes > self.warmed_store_bytes:
+            self.warmed_store_bytes = max(self.warmed_store_bytes, store.warm(max_bytes))
+        return self.warmed_store_bytes
+
     def ping(self) -> dict:
         """Liveness; runs after every call queued before it."""
         import os
@@ -78,21 +86,33 @@ class ParameterServer:
 
     # -- Ray Train: the workers call, the PS matches their calls ---------------
     def reduce(self, seq: int, rank: int, world: int, shards: tuple[Shard, ...],
-               pieces: tuple[np.ndarray, ...]) -> tuple:
+               pieces: tuple[np.ndarray, ...], scale: float | None = None) -> tuple:
         """Worker `rank`'s part of exchange `seq`: its pieces of a group of shards
         (as `mean` takes one worker's group; read-only store views). Blocks
         until all `world` workers' parts arrived, at most `rendezvous_timeout_s`
         seconds (then TimeoutError naming the ranks that never came); the last
-        arrival averages (`group_means`, new arrays) and every call returns the
-        mean, one array per shard."""
-        return self._rendezvous(("reduce", seq), rank, world, pieces, range(world),
-                                lambda parts: group_means(shards, [parts[r] for r in range(world)]))
+        arrival averages (`group_means`, once per exchange; `scale` 1.0 sums)
+        and every call returns the same one-element list: the ObjectRef of the
+        result (a tuple, one array per shard), put in the store once for all
+        callers instead of copied into each caller's reply."""
+        import ray
+
+        return self._rendezvous(
+            ("reduce", seq), rank, world, pieces, range(world),
+            lambda parts: [ray.put(group_means(shards, [parts[r] for r in range(world)],
+                                               scale))])
 
     def broadcast(self, seq: int, rank: int, world: int, root: int, values):
         """Rank `root`'s `values` (the others pass None), returned to every rank;
         blocks until the root's call arrived (same timeout as `reduce`)."""
         return self._rendezvous(("broadcast", seq), rank, world, values, (root,),
                                 lambda parts: parts[root])
+
+    def gather(self, seq: int, rank: int, world: int, value):
+        """Every rank's `value`, in rank order, returned to every rank; blocks
+        until all `world` ranks' calls arrived (same timeout as `reduce`)."""
+        return self._rendezvous(("gather", seq), rank, world, value, range(world),
+                                lambda parts: [parts[r] for r in range(world)])
 
     def _rendezvous(self, key: tuple, rank: int, world: int, part, needed, combine):
         with self._arrivals:

@@ -125,15 +125,23 @@ class ShardPlan:
             shards.append(out)
         return shards
 
-    def unpack(self, shards: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def unpack(self, shards: Sequence[np.ndarray], copy: bool = True) -> list[np.ndarray]:
         """Each variable's values from shard buffers (as `pack` or a PS writes them),
-        in the variable's own dtype (16-bit wire values widened)."""
+        in the variable's own dtype (16-bit wire values widened). With
+        `copy=False`, a variable that sits whole in one shard of its own dtype
+        comes back as a view of that buffer (which it keeps alive); the others
+        are copied."""
         out = []
         for v, shape in enumerate(self.shapes):
             parts = [from_wire(shards[j][p.shard_offset:p.shard_offset + p.length],
                                self.shards[j].dtype, self.dtypes[v])
                      for j, p in self.pieces_of(v)]
-            flat = np.concatenate(parts) if parts else np.zeros(0, self.dtypes[v])
+            if not parts:
+                flat = np.zeros(0, self.dtypes[v])
+            elif len(parts) == 1 and not copy:
+                flat = parts[0]
+            else:
+                flat = np.concatenate(parts)
             out.append(flat.reshape(shape))
         return out
 

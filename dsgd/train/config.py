@@ -91,8 +91,10 @@ class DsgdBackend(Backend):
             for j, (name, node) in enumerate(zip(names, nodes))]
         get_all([p.ready.remote() for p in self.ps], names, "dsgd.train: starting PS actors",
                 backend_config.timeout_s)
+        node_ids = [w.metadata.node_id for w in workers]
+        node_sizes = [node_ids.count(n) for n in dict.fromkeys(node_ids)]
         worker_group.execute(install, self.ps, names, backend_config.grad_shard_bytes,
-                             backend_config.timeout_s, backend_config.compression)
+                             backend_config.timeout_s, backend_config.compression, node_sizes)
         logger.info("dsgd.train: %d PS actor(s) for %d worker(s): %s", num_ps, len(workers),
                     ", ".join(names))
 

@@ -1,33 +1,36 @@
-"""What a training loop inside Ray Train calls: `DistributedGradientTape`,
-`DistributedOptimizer` and `broadcast_variables` (Horovod's names, so a port
-from Horovod changes two lines). Gradients are averaged over all workers
-through the run's PS actors (dsgd/train/exchange.py), eagerly or inside a
-`tf.function` (a `tf.numpy_function` runs the exchange)."""
+"""Horovod's gradient wrappers: `DistributedGradientTape` (custom loops) and
+`DistributedOptimizer` (Keras `fit`), averaging gradients over all Ray Train
+workers through the run's PS actors (dsgd/train/exchange.py), eagerly or
+inside a `tf.function` (one stateful `tf.numpy_function` per exchange)."""
 
 from __future__ import annotations
 
-import numpy as np
+from dsgd.train import collectives
+from dsgd.train.collectives import Average, Compression
 
-from dsgd.train import exchange
+# Horovod arguments that only steer its own fusion, devices or process sets: accepted
+# (a port keeps working) and ignored (dsgd fuses by its shard plan, on the CPU).
+_HINTS = ("device_dense", "device_sparse", "sparse_as_dense", "num_groups", "groups",
+          "process_set", "scale_local_gradients")
 
 
-def mean_tensors(tensors: list) -> list:
-    """The mean over all workers of each tensor (None stays None). Works eagerly
+def _check_hints(kwargs: dict, where: str) -> None:
+    unknown = sorted(set(kwargs) - set(_HINTS))
+    if unknown:
+        raise TypeError(f"{where}: unexpected argument(s) {unknown}; accepted: compression, op"
+                        f"{', backward_passes_per_step, average_aggregated_gradients, name' if 'Optimizer' in where else ''}"
+                        f", and Horovod's hints {list(_HINTS)} (ignored)")
+
+
+def mean_tensors(tensors: list, compression=None, op=Average) -> list:
+    """The mean (or with op=Sum the sum) over all workers of each tensor (None
+    stays None; IndexedSlices are made dense), in one exchange. Works eagerly
     and inside `tf.function`; every worker must call it in the same order."""
-    import tensorflow as tf
-
     present = [k for k, t in enumerate(tensors) if t is not None]
-    dense = [tf.convert_to_tensor(tensors[k]) for k in present]  # IndexedSlices -> dense
-    if not dense or exchange.world()[1] == 1:  # one worker: its gradients are the mean
+    if not present or collectives.size() == 1:  # one worker: its gradients are the mean
         return list(tensors)
-    if tf.executing_eagerly():
-        means = [tf.convert_to_tensor(m) for m in exchange.mean([t.numpy() for t in dense])]
-    else:
-        means = tf.numpy_function(lambda *arrays: exchange.mean(list(arrays)), dense,
-                                  [t.dtype for t in dense], stateful=True,
-                                  name="dsgd_mean")
-        for mean, tensor in zip(means, dense):
-            mean.set_shape(tensor.shape)
+    means = collectives.grouped_allreduce([tensors[k] for k in present], op=op,
+                                          compression=compression, name="dsgd_mean")
     out = list(tensors)
     for k, mean in zip(present, means):
         out[k] = mean
@@ -35,35 +38,54 @@ def mean_tensors(tensors: list) -> list:
 
 
 class DistributedGradientTape:
-    """Wraps a `tf.GradientTape`: `gradient(target, sources)` returns the mean over
-    all Ray Train workers of every worker's gradient (Horovod's
-    `hvd.DistributedGradientTape`). Other attributes go to the wrapped tape."""
+    """Horovod's `hvd.DistributedGradientTape(tape, compression=..., op=...)`: wraps
+    a `tf.GradientTape`; `gradient(target, sources)` returns the mean (op=Sum:
+    the sum) over all Ray Train workers of every worker's gradient, in one
+    exchange, compressed on the wire as `compression` says
+    (`dsgd.train.Compression.none`, `.fp16`, `.bf16`). Other attributes go to
+    the wrapped tape."""
 
-    def __init__(self, tape):
-        self._tape = tape
+    def __init__(self, gradtape, compression=Compression.none, op=Average,
+                 gradient_predivide_factor: float = 1.0, **hints):
+        _check_hints(hints, "DistributedGradientTape")
+        collectives.wire_of(compression)  # fails early on a bad value
+        collectives._op_of(op, None)
+        if gradient_predivide_factor != 1.0:
+            raise ValueError("DistributedGradientTape: gradient_predivide_factor is not "
+                             "supported (dsgd averages in one step); leave it 1.0")
+        self._tape, self._compression, self._op = gradtape, compression, op
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):
         import tensorflow as tf
 
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
         flat = tf.nest.flatten(grads, expand_composites=False)
-        return tf.nest.pack_sequence_as(grads, mean_tensors(flat))
+        return tf.nest.pack_sequence_as(grads, mean_tensors(flat, self._compression, self._op))
 
     def __getattr__(self, name):
         return getattr(self._tape, name)
 
 
-def DistributedOptimizer(optimizer):  # noqa: N802 - Horovod's name, a factory like hvd's
-    """A Keras 3 optimizer that averages gradients over all Ray Train workers before
-    `optimizer` applies them: `model.compile(optimizer=DistributedOptimizer(opt),
-    jit_compile=False)` then `model.fit(...)` trains data-parallel (Horovod's Keras
-    `DistributedOptimizer` no longer works with Keras 3). XLA cannot compile the
-    exchange (a `tf.numpy_function`): keep `jit_compile=False`. Not with the
+def DistributedOptimizer(optimizer, name: str | None = None, compression=Compression.none,  # noqa: N802
+                         backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, op=Average, **hints):
+    """Horovod's Keras `hvd.DistributedOptimizer`: a Keras 3 optimizer that averages
+    gradients over all Ray Train workers (compressed as `compression` says)
+    before `optimizer` applies them: `model.compile(optimizer=
+    DistributedOptimizer(opt), jit_compile=False)` then `model.fit(...)` trains
+    data-parallel (Horovod's own no longer works with Keras 3).
+
+    `backward_passes_per_step=k`: gradients are accumulated locally for k
+    calls and exchanged, then applied, on every k-th (summed over the k
+    passes, or averaged with `average_aggregated_gradients=True`, as Horovod);
+    the other calls apply nothing. XLA cannot compile the exchange (a
+    `tf.numpy_function`): keep `jit_compile=False`. Not with the
     `mixed_float16` policy: compile() then wraps this optimizer in a
-    LossScaleOptimizer that skips overflowing steps per worker, before averaging,
-    and workers would fall out of step; use `mixed_bfloat16`."""
+    LossScaleOptimizer that skips overflowing steps per worker, before
+    averaging, and workers would fall out of step; use `mixed_bfloat16`."""
     import keras
 
+    _check_hints(hints, "DistributedOptimizer")
     if keras.mixed_precision.global_policy().name == "mixed_float16":
         raise ValueError("DistributedOptimizer under the mixed_float16 policy: Keras would check "
                          "for overflow per worker before the average, and workers could skip "
@@ -71,25 +93,15 @@ def DistributedOptimizer(optimizer):  # noqa: N802 - Horovod's name, a factory l
                          "custom loop that scales the loss itself")
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a Keras optimizer, got {type(optimizer).__name__}")
-    return _distributed_class()(optimizer)
-
-
-def broadcast_variables(variables, root_rank: int = 0) -> None:
-    """Set every worker's `variables` to rank `root_rank`'s values (call it once,
-    eagerly, before training, on every worker)."""
-    import tensorflow as tf
-
-    variables = list(variables)
-    if not tf.executing_eagerly():
-        raise RuntimeError("broadcast_variables runs eagerly: call it before training, outside "
-                           "tf.function")
-    from dsgd.train.exchange import world
-
-    rank, _ = world()
-    values = [np.array(v.numpy()) for v in variables] if rank == root_rank else None
-    values = exchange.broadcast(values, root_rank)
-    for variable, value in zip(variables, values):
-        variable.assign(value)
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"DistributedOptimizer: backward_passes_per_step must be an int >= 1, got "
+                         f"{backward_passes_per_step!r}")
+    collectives.wire_of(compression)
+    collectives._op_of(op, None)
+    return _distributed_class()(optimizer, name=name, compression=compression, op=op,
+                                passes=backward_passes_per_step,
+                                average_passes=average_aggregated_gradients)
 
 
 _CLASS: list = []
@@ -105,13 +117,25 @@ def _distributed_class():
         """Averages gradients over the Ray Train workers, then lets the inner
         optimizer apply them (structured like Keras's LossScaleOptimizer)."""
 
-        def __init__(self, inner_optimizer, name=None):
+        def __init__(self, inner_optimizer, name=None, compression=None, op=Average, passes=1,
+                     average_passes=False):
             super().__init__(learning_rate=0.0, name=name or f"distributed_{inner_optimizer.name}")
             self.inner_optimizer = inner_optimizer
+            self._compression, self._op = compression, op
+            self._passes, self._average_passes = passes, average_passes
+            self._accumulators: list = []
 
         def build(self, var_list):
             self.inner_optimizer.build(var_list)
             super().build(var_list)
+            if self._passes > 1:
+                # Plain tf.Variables, outside `variables`: a worker's partial sum is its
+                # own (never broadcast, never checkpointed), as Horovod's aggregation.
+                import tensorflow as tf
+
+                self._pass = tf.Variable(0, dtype=tf.int64, trainable=False)
+                self._accumulators = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False)
+                                      for v in var_list]
 
         @property
         def variables(self):
@@ -121,7 +145,30 @@ def _distributed_class():
             if not self.built:
                 self.build(trainable_variables)
                 self.built = True
-            self.inner_optimizer.apply(mean_tensors(list(grads)), trainable_variables)
+            grads = list(grads)
+            if self._passes == 1:
+                self.inner_optimizer.apply(mean_tensors(grads, self._compression, self._op),
+                                           trainable_variables)
+                return
+            import tensorflow as tf
+
+            for acc, g in zip(self._accumulators, grads, strict=True):
+                if g is not None:
+                    acc.assign_add(tf.convert_to_tensor(g))
+            self._pass.assign_add(1)
+
+            def exchange_and_apply():
+                summed = [tf.convert_to_tensor(a) for a in self._accumulators]
+                if self._average_passes:
+                    summed = [s / tf.cast(self._passes, s.dtype) for s in summed]
+                self.inner_optimizer.apply(mean_tensors(summed, self._compression, self._op),
+                                           trainable_variables)
+                for a in self._accumulators:
+                    a.assign(tf.zeros_like(a))
+                return tf.constant(True)
+
+            tf.cond(tf.equal(self._pass % self._passes, 0), exchange_and_apply,
+                    lambda: tf.constant(False))
 
         @property
         def learning_rate(self):
@@ -139,7 +186,8 @@ def _distributed_class():
             self.inner_optimizer.finalize_variable_values(var_list)
 
         def get_config(self):
-            return {"name": self.name,
+            return {"name": self.name, "passes": self._passes,
+                    "average_passes": self._average_passes,
                     "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer)}
 
         @classmethod

@@ -1,0 +1,321 @@
+"""Horovod's TF2 API (`horovod.tensorflow`) on dsgd's exchange, so that
+`import dsgd.train as hvd` ports a Horovod script: the same names, arguments
+and results, eagerly and inside `tf.function`.
+
+Every collective is an exchange through the run's PS actors
+(dsgd/train/exchange.py): every rank must make the same collective calls in
+the same order (as with Horovod). Inside a `tf.function` a collective is one
+stateful `tf.numpy_function`; TensorFlow runs stateful ops in program order,
+so the order holds there too. Each call blocks until every rank has made it,
+at most `DsgdConfig.timeout_s` (then an error names the missing ranks).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dsgd.errors import DsgdError
+from dsgd.train import exchange
+
+# Horovod's reduction ops (same values as horovod.tensorflow's).
+Average = 0
+Sum = 1
+Adasum = 2  # named so that a port fails with a clear error, not a NameError
+
+
+class _Compressor:
+    """A gradient compression as Horovod names it (`hvd.Compression.fp16`). dsgd
+    does not cast in the graph: the exchange sends float32 values as the wire
+    type, sums them in float32 and rounds the mean once (as the engine's
+    `compression`). `compress`/`decompress` are Horovod's casts, for code that
+    calls them itself."""
+
+    wire: str | None = None
+    dtype_name: str | None = None
+
+    @classmethod
+    def compress(cls, tensor):
+        import tensorflow as tf
+
+        if cls.dtype_name is None or not tensor.dtype.is_floating:
+            return tensor, None
+        return tf.cast(tensor, tf.as_dtype(cls.dtype_name)), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        import tensorflow as tf
+
+        return tensor if ctx is None else tf.cast(tensor, ctx)
+
+
+class NoneCompressor(_Compressor):
+    """No compression: gradients travel in their own dtype."""
+
+
+class FP16Compressor(_Compressor):
+    """float32 gradients travel as float16 (the mean is summed in float32)."""
+
+    wire, dtype_name = "fp16", "float16"
+
+
+class BF16Compressor(_Compressor):
+    """float32 gradients travel as bfloat16 (the mean is summed in float32)."""
+
+    wire, dtype_name = "bf16", "bfloat16"
+
+
+class Compression:
+    """Horovod's `hvd.Compression`: `none`, `fp16`, and `bf16`."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    bf16 = BF16Compressor
+
+
+def wire_of(compression) -> str | None:
+    """The exchange's compression name of a `Compression.*` (or None, "fp16", "bf16")."""
+    if compression is None or compression in (None, "fp16", "bf16"):
+        return compression
+    if isinstance(compression, type) and issubclass(compression, _Compressor):
+        return compression.wire
+    raise ValueError(f"compression must be dsgd.train.Compression.none, .fp16 or .bf16, got "
+                     f"{compression!r}")
+
+
+# -- the run's shape --------------------------------------------------------------
+def init(*args, **kwargs) -> None:
+    """Horovod's `hvd.init()`: nothing to start inside a dsgd Ray Train worker (the
+    backend started the PS actors); outside one, DsgdError saying how to launch."""
+    exchange.context()
+
+
+def is_initialized() -> bool:
+    """True inside a dsgd Ray Train worker (a `DsgdTrainer` loop, or a script run
+    with `python -m dsgd.train.run`)."""
+    return exchange.installed()
+
+
+def shutdown() -> None:
+    """Horovod's `hvd.shutdown()`: nothing to do (the backend stops the PS actors
+    when the run ends)."""
+
+
+def size() -> int:
+    """Number of workers (ranks) in the run."""
+    return exchange.topology()["size"]
+
+
+def rank() -> int:
+    """This worker's rank, 0 .. size() - 1."""
+    return exchange.topology()["rank"]
+
+
+def local_rank() -> int:
+    """This worker's index among the run's workers on its node."""
+    return exchange.topology()["local_rank"]
+
+
+def local_size() -> int:
+    """Number of the run's workers on this worker's node."""
+    return exchange.topology()["local_size"]
+
+
+def cross_rank() -> int:
+    """This worker's node's index among the run's nodes."""
+    return exchange.topology()["cross_rank"]
+
+
+def cross_size() -> int:
+    """Number of nodes holding a worker of this worker's local rank (with the
+    same number of workers on every node: the number of nodes)."""
+    return exchange.topology()["cross_size"]
+
+
+def is_homogeneous() -> bool:
+    """Whether every node holds the same number of the run's workers."""
+    return len(set(exchange.context()["node_sizes"] or [0])) == 1
+
+
+# -- collectives -------------------------------------------------------------------
+def _op_of(op, average) -> int:
+    if average is not None:
+        if op is not None:
+            raise ValueError("allreduce: pass op= or the older average=, not both")
+        return Average if average else Sum
+    if op is None:
+        return Average
+    if op == Adasum:
+        raise ValueError("op=Adasum is not supported by dsgd; use op=Average or op=Sum")
+    if op not in (Average, Sum):
+        raise ValueError(f"op must be dsgd.train.Average or dsgd.train.Sum, got {op!r}")
+    return op
+
+
+def _run(fn, inputs: list, out_dtypes: list, out_shapes: list, name: str) -> list:
+    """`fn(*numpy arrays) -> list of numpy arrays`, eagerly or as one stateful
+    `tf.numpy_function` inside a `tf.function`; the results get `out_shapes`."""
+    import tensorflow as tf
+
+    if tf.executing_eagerly():
+        results = fn(*[t.numpy() for t in inputs])
+        return [tf.convert_to_tensor(np.asarray(r), dtype=d) for r, d in zip(results, out_dtypes)]
+    results = tf.numpy_function(lambda *arrays: list(fn(*arrays)), inputs, out_dtypes,
+                                stateful=True, name=name)
+    if not isinstance(results, (list, tuple)):
+        results = [results]
+    for tensor, shape in zip(results, out_shapes):
+        tensor.set_shape(shape)
+    return list(results)
+
+
+def _dense(tensor):
+    import tensorflow as tf
+
+    if isinstance(tensor, tf.IndexedSlices):  # Horovod's sparse_as_dense
+        return tf.convert_to_tensor(tensor)
+    return tf.convert_to_tensor(tensor)
+
+
+def grouped_allreduce(tensors, average=None, compression=Compression.none, op=None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      name: str | None = None, **ignored) -> list:
+    """The mean (op=Average, the default) or sum (op=Sum) over all ranks of each
+    tensor, in one exchange: same shapes and dtypes on every rank.
+    IndexedSlices are made dense first (Horovod's `sparse_as_dense`). Floating
+    tensors are averaged as the engine averages (float32 sums, 16-bit values
+    summed in float32 and rounded once); integer tensors are summed exactly in
+    float64 (|values| < 2**53), and their Average is `sum / size()` as
+    TensorFlow divides integers (float64). `prescale_factor` multiplies each
+    tensor before, `postscale_factor` the result after. Blocks until every rank
+    called it. Horovod's device/process-set arguments are accepted and
+    ignored."""
+    import tensorflow as tf
+
+    op = _op_of(op, average)
+    wire = wire_of(compression)
+    tensors = [_dense(t) for t in tensors]
+    for t in tensors:
+        if not (t.dtype.is_floating or t.dtype.is_integer):
+            raise TypeError(f"allreduce: tensors must be floating or integer, got {t.dtype.name}")
+    if prescale_factor != 1.0:
+        tensors = [t * tf.cast(prescale_factor, t.dtype) for t in tensors]
+    if not tensors:
+        return []
+    floats = [k for k, t in enumerate(tensors) if t.dtype.is_floating]
+    ints = [k for k, t in enumerate(tensors) if not t.dtype.is_floating]
+    sent = [tensors[k] for k in floats] + [tf.cast(tensors[k], tf.float64) for k in ints]
+
+    def reduce(*arrays):
+        arrays = list(arrays)
+        out = []
+        if floats:
+            out += exchange.allreduce(arrays[:len(floats)], average=op == Average,
+                                      compression=wire)
+        if ints:  # summed exactly in float64
+            out += exchange.allreduce(arrays[len(floats):], average=False, compression=None)
+        return out
+
+    results = _run(reduce, sent, [t.dtype for t in sent], [t.shape for t in sent],
+                   name or "dsgd_allreduce")
+    out: list = [None] * len(tensors)
+    for k, result in zip(floats + ints, results):
+        if k in ints:
+            result = result / tf.cast(size(), tf.float64) if op == Average \
+                else tf.cast(result, tensors[k].dtype)
+        if postscale_factor != 1.0:
+            result = result * tf.cast(postscale_factor, result.dtype)
+        out[k] = result
+    return out
+
+
+def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str = "",
+              compression=Compression.none, op=None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, name: str | None = None, **ignored):
+    """Horovod's `hvd.allreduce`: the mean (default) or sum of `tensor` over all
+    ranks (see `grouped_allreduce`)."""
+    return grouped_allreduce([tensor], average=average, compression=compression, op=op,
+                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                             name=name)[0]
+
+
+def allgather(tensor, name: str | None = None, **ignored):
+    """Horovod's `hvd.allgather`: every rank's `tensor` concatenated on the first
+    axis, in rank order. The first dimension may differ between ranks; the
+    other dimensions and the dtype may not (ValueError naming the ranks)."""
+    import tensorflow as tf
+
+    tensor = _dense(tensor)
+    if tensor.shape.rank == 0:
+        raise ValueError("allgather: the tensor must have at least one dimension (it is "
+                         "concatenated on the first); reshape a scalar to [1]")
+
+    def gather(array):
+        parts = exchange.gather(np.asarray(array))
+        tails = {(p.shape[1:], p.dtype.str) for p in parts}
+        if len(tails) != 1:
+            raise ValueError("allgather: ranks sent tensors whose dimensions after the first or "
+                             "dtypes differ: " + ", ".join(f"rank {r}: {p.shape} {p.dtype}"
+                                                           for r, p in enumerate(parts)))
+        return [np.concatenate(parts, axis=0)]
+
+    shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
+    return _run(gather, [tensor], [tensor.dtype], [shape], name or "dsgd_allgather")[0]
+
+
+def broadcast(tensor, root_rank: int, name: str | None = None, **ignored):
+    """Horovod's `hvd.broadcast`: rank `root_rank`'s value of `tensor` on every
+    rank (each rank's tensor must have the root's shape and dtype)."""
+    return _broadcast_tensors([_dense(tensor)], root_rank, name or "dsgd_broadcast")[0]
+
+
+def _broadcast_tensors(tensors: list, root_rank: int, name: str) -> list:
+    exchange._check_root(root_rank, size())
+
+    def bcast(*arrays):
+        values = exchange.broadcast([np.asarray(a) for a in arrays], root_rank)
+        for k, (mine, root) in enumerate(zip(arrays, values, strict=True)):
+            if np.shape(mine) != np.shape(root) or np.asarray(mine).dtype != root.dtype:
+                raise ValueError(f"broadcast: tensor {k} is {np.shape(mine)} "
+                                 f"{np.asarray(mine).dtype} here but {root.shape} {root.dtype} "
+                                 f"on root rank {root_rank}")
+        return values
+
+    if not tensors:
+        return []
+    return _run(bcast, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], name)
+
+
+def broadcast_variables(variables, root_rank: int = 0):
+    """Horovod's `hvd.broadcast_variables`: set every rank's `variables` (tf or
+    Keras variables, the same list on every rank) to rank `root_rank`'s values,
+    in one exchange. Eagerly, or inside a `tf.function` (Horovod's first-batch
+    pattern); there it returns the op that assigns them."""
+    import tensorflow as tf
+
+    variables = list(variables)
+    values = [tf.convert_to_tensor(v) for v in variables]
+    new = _broadcast_tensors(values, root_rank, "dsgd_broadcast_variables")
+    assigns = [v.assign(x) for v, x in zip(variables, new, strict=True)]
+    if tf.executing_eagerly():
+        return None
+    return tf.group(*[a for a in assigns if a is not None])
+
+
+def broadcast_object(obj, root_rank: int = 0, name: str | None = None, **ignored):
+    """Horovod's `hvd.broadcast_object`: rank `root_rank`'s picklable `obj` on
+    every rank (eagerly)."""
+    exchange._check_root(root_rank, size())
+    return exchange.broadcast(obj, root_rank)
+
+
+def allgather_object(obj, name: str | None = None, **ignored) -> list:
+    """Horovod's `hvd.allgather_object`: every rank's picklable `obj`, in rank
+    order (eagerly)."""
+    return exchange.gather(obj)
+
+
+def check_initialized(what: str) -> None:
+    if not exchange.installed():
+        raise DsgdError(f"dsgd.train.{what}: not inside a dsgd Ray Train worker; run the script "
+                        "with `python -m dsgd.train.run -np N script.py` or the loop in a "
+                        "dsgd.train.DsgdTrainer")

@@ -1,0 +1,202 @@
+"""Horovod's TF2 API in dsgd.train and its launcher: a Horovod-style script run
+by `dsgd.train.run` on 2 Ray Train workers, every collective eagerly and in a
+`tf.function` checked by hand, Horovod's custom loop (first-batch broadcast
+inside the step) and Keras fit with the callbacks exact against one process;
+a failing rank fails the launch with its traceback; errors outside a run."""
+
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dsgd.train as hvd
+import tiny
+from dsgd.errors import DsgdError
+from dsgd.train import run as launcher
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS, BATCH = 3, 4
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, ray_local):
+    out = tmp_path_factory.mktemp("hvd")
+    status = launcher.main(["-np", "2", "--storage-path", str(out / "runs"),
+                            os.path.join(HERE, "hvd_collectives.py"), str(out), str(STEPS),
+                            str(BATCH)])
+    assert status == 0
+    return [dict(np.load(out / f"rank{r}.npz")) for r in range(2)]
+
+
+def x_of(r):
+    return np.arange(6, dtype=np.float32).reshape(2, 3) * (r + 1) + np.float32(0.1)
+
+
+pytestmark = pytest.mark.cluster
+
+
+def test_rank_size_and_topology(ranks):
+    for r, got in enumerate(ranks):
+        # rank, size, local_rank, local_size, cross_rank, cross_size, is_initialized
+        assert got["shape"].tolist() == [r, 2, r, 2, 0, 1, 1]
+
+
+@pytest.mark.parametrize("where", ["eager", "graph"])
+def test_collectives_by_hand(ranks, where):
+    x0, x1 = x_of(0), x_of(1)
+    want = {
+        "avg": (x0 + x1) * np.float32(0.5), "old_avg": (x0 + x1) * np.float32(0.5),
+        "sum": x0 + x1, "scaled": (2 * x0 + 2 * x1) * np.float32(0.5),
+        "int_sum": np.array([3, 6, 9], np.int32), "int_avg": np.array([1.5, 3.0, 4.5]),
+        "grouped": (2 * x0 + 2 * x1) * np.float32(0.5),
+        "sparse": np.array([[0, 0], [1.5, 1.5], [0, 0], [1.5, 1.5]], np.float32),
+        "gather": np.array([[0, 0], [1, 1], [1, 1]], np.float32), "bcast": x1,
+    }
+    for wire, name in ((np.float16, "fp16"), (ml_dtypes.bfloat16, "bf16")):
+        # each rank's value rounded to the wire type, summed in float32, the mean rounded once
+        a, b = ((x / np.float32(7.0)).astype(wire).astype(np.float32) for x in (x0, x1))
+        want[name] = ((a + b) * np.float32(0.5)).astype(wire).astype(np.float32)
+    for got in ranks:
+        for name, value in want.items():
+            array = got[f"{where}_{name}"]
+            assert array.dtype == value.dtype, name
+            np.testing.assert_allclose(array, value, rtol=0, atol=1e-6, err_msg=name)
+        assert got["object"] == 1 and got["objects"].tolist() == [0, 1]
+
+
+def test_custom_loop_with_the_first_batch_broadcast_is_exact(ranks):
+    """Step 0: each rank's gradient at its own initial weights, averaged, applied
+    by every rank, then rank 0's model and optimizer broadcast; later steps: the
+    gradient of the concatenated batches."""
+    import tensorflow as tf
+
+    def grad(model, r, t):
+        with tf.GradientTape() as tape:
+            loss = tiny.mse(model, *tiny.make_batch(r, t, BATCH))
+        return tape.gradient(loss, model.trainable_variables)
+
+    model, opt = tiny.make_keras_model(seed=0), tiny.make_optimizer("sgdm")
+    other = tiny.make_keras_model(seed=1)
+    first = [(a + b) / 2 for a, b in zip(grad(model, 0, 0), grad(other, 1, 0), strict=True)]
+    opt.apply_gradients(zip(first, model.trainable_variables))
+    for t in range(1, STEPS):
+        mean = [(a + b) / 2 for a, b in zip(grad(model, 0, t), grad(model, 1, t), strict=True)]
+        opt.apply_gradients(zip(mean, model.trainable_variables))
+    for k, want in enumerate(model.get_weights()):
+        np.testing.assert_allclose(ranks[0][f"loop_{k}"], want, rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(ranks[1][f"loop_{k}"], ranks[0][f"loop_{k}"])
+
+
+def test_keras_fit_with_the_callbacks(ranks):
+    """Ranks bit-identical after fit; MetricAverageCallback's logs are the same on
+    both ranks; LearningRateWarmupCallback's rate at each batch is Horovod's
+    lr / size * ((epoch + (batch + 1) / steps) * (size - 1) / warmup + 1)."""
+    for k in range(len(tiny.make_keras_model().get_weights())):
+        np.testing.assert_array_equal(ranks[1][f"fit_{k}"], ranks[0][f"fit_{k}"])
+    np.testing.assert_array_equal(ranks[1]["fit_loss"], ranks[0]["fit_loss"])
+    steps = 4
+    want = [0.2 / 2 * ((e + (b + 1) / steps) * (2 - 1) / 2 + 1) for e in range(2) for b in range(steps)]
+    for got in ranks:
+        np.testing.assert_allclose(got["fit_rates"], want, rtol=1e-6)
+
+
+def test_a_failing_rank_fails_the_launch_with_its_traceback(tmp_path, capsys, ray_local):
+    script = tmp_path / "fails.py"
+    script.write_text("import dsgd.train as hvd\nhvd.init()\n"
+                      "if hvd.rank() == 1:\n    raise ValueError('rank 1 fails on purpose')\n")
+    status = launcher.main(["-np", "2", "--timeout", "20", "--storage-path",
+                            str(tmp_path / "runs"), str(script)])
+    assert status == 1
+    err = capsys.readouterr().err
+    assert "fails.py failed" in err and "ValueError: rank 1 fails on purpose" in err
+
+
+def test_launcher_argument_errors(tmp_path, capsys):
+    assert launcher.main(["-np", "0", "x.py"]) == 2
+    assert "-np must be >= 1" in capsys.readouterr().err
+    assert launcher.main(["-np", "2", str(tmp_path / "missing.py")]) == 2
+    assert "cannot read the script" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launcher.main(["train.py"])  # -np is required
+
+
+def test_outside_a_run_every_name_says_how_to_launch():
+    assert not hvd.is_initialized()
+    for call in (hvd.init, hvd.size, hvd.rank, hvd.local_rank):
+        with pytest.raises(DsgdError, match=r"python -m dsgd.train.run -np N"):
+            call()
+
+
+def test_bad_arguments_are_named():
+    import keras
+
+    with pytest.raises(ValueError, match="op=Adasum is not supported"):
+        hvd.collectives._op_of(hvd.Adasum, None)
+    with pytest.raises(ValueError, match="op must be dsgd.train.Average or dsgd.train.Sum"):
+        hvd.DistributedGradientTape(None, op=7)
+    with pytest.raises(ValueError, match="pass op= or the older average=, not both"):
+        hvd.collectives._op_of(hvd.Sum, True)
+    with pytest.raises(ValueError, match="compression must be dsgd.train.Compression"):
+        hvd.DistributedGradientTape(None, compression="int8")
+    with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['bogus'\]"):
+        hvd.DistributedGradientTape(None, bogus=1)
+    hvd.DistributedGradientTape(None, device_dense="/gpu:0", sparse_as_dense=True)  # hints
+    with pytest.raises(ValueError, match="backward_passes_per_step must be an int >= 1"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="initial_lr must be a positive number"):
+        hvd.callbacks.LearningRateWarmupCallback(0)
+
+
+@pytest.mark.slow
+def test_the_command_line_shows_rank_0_output_and_fails_on_a_failing_rank(tmp_path):
+    """`python -m dsgd.train.run` from a shell: a new local Ray cluster, rank 0's
+    print on the terminal, exit status 0; a script whose rank 1 raises: 1."""
+    ok = tmp_path / "ok.py"
+    ok.write_text("import sys\nimport dsgd.train as hvd\nhvd.init()\n"
+                  "print(f'hello from rank {hvd.rank()} of {hvd.size()} args={sys.argv[1:]}')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-m", "dsgd.train.run", "-np", "2", "--storage-path",
+                           str(tmp_path / "runs"), "python", str(ok), "--flag", "1"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hello from rank 0 of 2 args=['--flag', '1']" in done.stdout + done.stderr
+    bad = tmp_path / "bad.py"
+    bad.write_text("import dsgd.train as hvd\nhvd.init()\n"
+                   "if hvd.rank() == 1:\n    raise KeyError('rank one')\n")
+    done = subprocess.run([sys.executable, "-m", "dsgd.train.run", "-np", "2", "--timeout", "20",
+                           "--storage-path", str(tmp_path / "runs"), str(bad)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 1 and "KeyError: 'rank one'" in done.stderr
+
+
+EXAMPLES = os.path.join(os.path.dirname(HERE), "dsgd", "examples", "horovod")
+
+
+@pytest.mark.slow
+def test_the_horovod_examples_run_at_small_sizes(tmp_path, ray_local):
+    """The custom-loop and Keras MNIST scripts through the launcher in-process
+    (rank 0 writes the checkpoints), the synthetic benchmark from a shell (its
+    images/s lines reach the terminal)."""
+    runs = str(tmp_path / "runs")
+    status = launcher.main(["-np", "2", "--storage-path", runs, os.path.join(EXAMPLES, "tf2_mnist.py"),
+                            "--steps", "20", "--checkpoint-dir", str(tmp_path / "loop")])
+    assert status == 0 and any(p.startswith("ckpt-1") for p in os.listdir(tmp_path / "loop"))
+    status = launcher.main(["-np", "2", "--storage-path", runs,
+                            os.path.join(EXAMPLES, "keras_mnist.py"), "--epochs", "2",
+                            "--steps-per-epoch", "8", "--warmup-epochs", "1",
+                            "--checkpoint-dir", str(tmp_path / "fit")])
+    assert status == 0
+    assert sorted(os.listdir(tmp_path / "fit")) == ["checkpoint-1.keras", "checkpoint-2.keras"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("RAY_ADDRESS", None)
+    done = subprocess.run([sys.executable, "-m", "dsgd.train.run", "-np", "2", "--storage-path", runs,
+                           os.path.join(EXAMPLES, "synthetic_benchmark.py"), "--model", "MobileNetV2",
+                           "--image-size", "32", "--batch-size", "2", "--num-iters", "2",
+                           "--num-batches-per-iter", "2", "--fp16-allreduce"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Total img/sec on 2 worker(s)" in done.stdout + done.stderr
