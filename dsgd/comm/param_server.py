@@ -22,7 +22,7 @@ import numpy as np
 
 from dsgd import constants
 from dsgd.comm import store
-from dsgd.comm.means import group_means, mean_shard, split_group
+from dsgd.comm.means import mean_shard, split_group
 from dsgd.comm.sharding import Shard
 
 
@@ -42,6 +42,7 @@ class ParameterServer:
         # touches fresh pages (first touch costs more than the sum on a VM).
         # Ray copies the returned array into the store before the next call.
         self._scratch: dict = {}
+        self._scratch_lock = threading.Lock()
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self._arrivals = threading.Condition()
         self._pending: dict = {}  # (kind, seq) -> _Rendezvous
@@ -71,6 +72,12 @@ class ParameterServer:
         (read-only object-store views; read, never kept). Returns a tuple with
         one buffer per shard, laid out as the shard says, padding zeroed; Ray
         writes the tuple into one object."""
+        return self._means(shards, worker_groups)
+
+    def _means(self, shards, worker_groups, scale: float | None = None) -> tuple:
+        """The group's means (or `scale`d sums) in this PS's scratch buffers, valid
+        until the next call: the caller hands them to Ray (which copies them into
+        the store) before another call may reuse them."""
         out = []
         for k, shard in enumerate(shards):
             key = (k, shard.dtype, shard.num_elements)
@@ -79,7 +86,7 @@ class ParameterServer:
             out.append(self._scratch[key])
         for k, (shard, pieces) in enumerate(zip(shards, split_group(shards, worker_groups))):
             try:
-                mean_shard(shard, pieces, out=out[k])
+                mean_shard(shard, pieces, out=out[k], scale=scale)
             except ValueError as e:
                 raise ValueError(f"PS {self.ps_index}, shard {k} of its group: {e}") from e
         return tuple(out)
@@ -91,16 +98,20 @@ class ParameterServer:
         (as `mean` takes one worker's group; read-only store views). Blocks
         until all `world` workers' parts arrived, at most `rendezvous_timeout_s`
         seconds (then TimeoutError naming the ranks that never came); the last
-        arrival averages (`group_means`, once per exchange; `scale` 1.0 sums)
+        arrival averages (into reused scratch buffers, once per exchange; `scale` 1.0 sums)
         and every call returns the same one-element list: the ObjectRef of the
         result (a tuple, one array per shard), put in the store once for all
         callers instead of copied into each caller's reply."""
         import ray
 
-        return self._rendezvous(
-            ("reduce", seq), rank, world, pieces, range(world),
-            lambda parts: [ray.put(group_means(shards, [parts[r] for r in range(world)],
-                                               scale))])
+        def combine(parts):
+            # Summed into the reused scratch buffers (fresh pages would cost a first
+            # touch each time), then put once; the lock keeps two exchanges that
+            # finish together on this PS from sharing the scratch.
+            with self._scratch_lock:
+                return [ray.put(self._means(shards, [parts[r] for r in range(world)], scale))]
+
+        return self._rendezvous(("reduce", seq), rank, world, pieces, range(world), combine)
 
     def broadcast(self, seq: int, rank: int, world: int, root: int, values):
         """Rank `root`'s `values` (the others pass None), returned to every rank;
