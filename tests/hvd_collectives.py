@@ -51,6 +51,32 @@ for k, v in tf.function(collectives)().items():
 saved["object"] = np.array(hvd.broadcast_object({"from": r}, root_rank=1)["from"])
 saved["objects"] = np.array([o["r"] for o in hvd.allgather_object({"r": r})])
 
+# The tape eagerly, plain and fp16-compressed, at rank 0's weights on each rank's batch.
+model = tiny.make_keras_model(seed=r)
+hvd.broadcast_variables(model.variables, root_rank=0)
+for name, compression in (("tape_eager", hvd.Compression.none), ("tape_fp16", hvd.Compression.fp16)):
+    with tf.GradientTape() as tape:
+        loss = tiny.mse(model, *tiny.make_batch(r, 0, batch))
+    grads = hvd.DistributedGradientTape(tape, compression=compression).gradient(
+        loss, model.trainable_variables)
+    for k, g in enumerate(grads):
+        saved[f"{name}_{k}"] = g.numpy()
+
+# DistributedOptimizer(backward_passes_per_step=2, average_aggregated_gradients=True) in
+# fit: plain SGD from rank 0's weights, 4 batches = 2 exchanges and applies.
+import keras  # noqa: E402
+
+model = tiny.make_keras_model(seed=r)
+hvd.broadcast_variables(model.variables, root_rank=0)
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2,
+                                                 average_aggregated_gradients=True),
+              loss="mse", jit_compile=False)
+batches = [tiny.make_batch(r, t, batch) for t in range(4)]
+model.fit(np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches]),
+          batch_size=batch, epochs=1, shuffle=False, verbose=0)
+for k, w in enumerate(model.get_weights()):
+    saved[f"passes_{k}"] = w
+
 # Horovod's custom loop: DistributedGradientTape in tf.function, the first-batch
 # broadcast of model and optimizer variables inside that same function.
 model, opt = tiny.make_keras_model(seed=r), tiny.make_optimizer("sgdm")
@@ -75,14 +101,12 @@ for k, w in enumerate(model.get_weights()):
     saved[f"loop_{k}"] = w
 
 # Keras fit: DistributedOptimizer(backward_passes_per_step=2), the three callbacks.
-import keras  # noqa: E402
-
 model = tiny.make_keras_model(seed=r)
 model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
                                                  backward_passes_per_step=2,
                                                  average_aggregated_gradients=True),
               loss="mse", jit_compile=False)
-rates = []
+rates, raw_logs = [], []
 
 
 class Rates(keras.callbacks.Callback):
@@ -90,15 +114,21 @@ class Rates(keras.callbacks.Callback):
         rates.append(float(keras.ops.convert_to_numpy(model.optimizer.learning_rate)))
 
 
+class RawLogs(keras.callbacks.Callback):  # before MetricAverageCallback: this rank's own
+    def on_epoch_end(self, epoch, logs=None):
+        raw_logs.append(float(logs["loss"]))
+
+
 batches = [tiny.make_batch(r, t, batch) for t in range(4)]
 history = model.fit(np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches]),
                     batch_size=batch, epochs=2, shuffle=False, verbose=0,
-                    callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                    callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), RawLogs(),
                                hvd.callbacks.MetricAverageCallback(),
                                hvd.callbacks.LearningRateWarmupCallback(0.2, warmup_epochs=2),
                                Rates()])
 saved["fit_loss"] = np.array(history.history["loss"])
 saved["fit_rates"] = np.array(rates)
+saved["fit_raw_loss"] = np.array(raw_logs)
 for k, w in enumerate(model.get_weights()):
     saved[f"fit_{k}"] = w
 np.savez(os.path.join(out, f"rank{r}.npz"), **saved)
