@@ -58,6 +58,9 @@ def driver_state(sgd):
     return {name: id(getattr(sgd, name)) for name in type(sgd).__slots__}
 
 
+# ~13 s: `slow`. The default run keeps the engine's kill-and-replace tests
+# (test_recovery.py) and Ray Data's exact epoch (test_ray_data_one_epoch_covers_every_row_once).
+@pytest.mark.slow
 def test_a_worker_killed_mid_epoch_restarts_the_split(tmp_path):
     """Also: the driver's state objects stay the ones __init__ made, through steps,
     train(dataset=...), a worker's death and recovery, and a checkpoint round trip."""

@@ -178,6 +178,9 @@ def test_beyond_max_failures_is_a_clear_error():
             sgd.step()
 
 
+# ~12 s: `slow`. The default run keeps a checkpoint restore after one worker dies in a
+# call of several steps (test_one_worker_killed_in_a_call_of_several_steps_...).
+@pytest.mark.slow
 def test_every_worker_dead_restores_the_last_checkpoint(tmp_path):
     with dsgd.DistributedSGD(keyed_creator, 1, 1, gpu=False) as sgd:
         sgd.step()

@@ -85,6 +85,9 @@ def test_ps_store_usage_is_flat_over_300_steps_with_failures_in_between():
         assert ps == [want] * len(sgd.ps_actors)
 
 
+# ~11 s: `slow`. The default run keeps the "ps" leak test (300 steps, failures included);
+# "simple" passes whole gradients through the driver.
+@pytest.mark.slow
 def test_simple_store_usage_is_flat_over_300_steps():
     baseline = store.settled_usage()
     with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy="simple") as sgd:

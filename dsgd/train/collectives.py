@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from dsgd.errors import DsgdError
 from dsgd.train import exchange
 
 # Horovod's reduction ops (same values as horovod.tensorflow's).
@@ -312,10 +311,3 @@ def allgather_object(obj, name: str | None = None, **ignored) -> list:
     """Horovod's `hvd.allgather_object`: every rank's picklable `obj`, in rank
     order (eagerly)."""
     return exchange.gather(obj)
-
-
-def check_initialized(what: str) -> None:
-    if not exchange.installed():
-        raise DsgdError(f"dsgd.train.{what}: not inside a dsgd Ray Train worker; run the script "
-                        "with `python -m dsgd.train.run -np N script.py` or the loop in a "
-                        "dsgd.train.DsgdTrainer")
