@@ -65,8 +65,12 @@ def train_many_steps(sgd, baseline, kill_at=()):
     assert peak <= 20 * objects_per_step, (peak, objects_per_step)
     # ... and when nobody holds a reference, everything is freed, after 10 steps as after
     # STEPS: the store holds what it held before this DistributedSGD existed (other
-    # tests' Ray Data datasets may keep blocks there).
-    assert after_all == after_10 == baseline, (baseline, after_10, after_all)
+    # tests' Ray Data datasets may keep blocks there), or less: objects of earlier tests
+    # may be freed while this one runs (in the slow run, 25 such objects were).
+    assert after_all == after_10, (baseline, after_10, after_all)
+    assert after_all["num_objects"] <= baseline["num_objects"], (baseline, after_all)
+    if after_all["num_objects"] == baseline["num_objects"]:
+        assert after_all == baseline, (baseline, after_all)
 
 
 def test_ps_store_usage_is_flat_over_300_steps_with_failures_in_between():
