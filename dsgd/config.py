@@ -48,6 +48,7 @@ class Config:
     compression: str | None = None
     apply_per_group: bool = True
     local_steps_per_call: int = constants.LOCAL_STEPS_PER_CALL
+    backup_workers: int = 0
 
     def __post_init__(self):
         if not callable(self.model_creator):
@@ -89,10 +90,17 @@ class Config:
                             f"{type(self.worker_init).__name__}")
         _bool("apply_per_group", self.apply_per_group)
         _positive_int("local_steps_per_call", self.local_steps_per_call)
+        if isinstance(self.backup_workers, bool) \
+                or not isinstance(self.backup_workers, (int, np.integer)) \
+                or not 0 <= self.backup_workers < self.num_workers:
+            raise ValueError(f"backup_workers must be an int with 0 <= backup_workers < "
+                             f"num_workers={self.num_workers} (each step averages the first "
+                             f"num_workers - backup_workers workers), got {self.backup_workers!r}")
         # Normalised once, so that the rest of dsgd reads plain floats and ints.
         for name in ("step_timeout_s", "start_timeout_s", "num_cpus_per_worker"):
             object.__setattr__(self, name, float(getattr(self, name)))
-        for name in ("num_workers", "devices_per_worker", "grad_shard_bytes", "max_failures"):
+        for name in ("num_workers", "devices_per_worker", "grad_shard_bytes", "max_failures",
+                     "backup_workers"):
             object.__setattr__(self, name, int(getattr(self, name)))
 
     @property

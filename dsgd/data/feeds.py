@@ -9,7 +9,6 @@ epoch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from dsgd.data.batching import num_rows, split, take_rows
 from dsgd.data.stream import BlockStream
@@ -17,8 +16,6 @@ from dsgd.errors import DsgdError
 
 # Steps' worth of rows whose downloads start ahead of the one being trained.
 PREFETCH_STEPS = 2
-# A Ray Data worker's step argument: its loader reads the next batch of its split.
-NEXT_BATCH = "next batch"
 
 
 class StreamFeed:
@@ -64,6 +61,9 @@ class StreamFeed:
     def advance(self, num_workers: int) -> None:
         self.dataset._seek(self.dataset.position + num_workers * self.dataset.batch_size)
 
+    def epoch_ended(self) -> None:
+        pass  # never reported (reports_epoch_end is False)
+
 
 class RowSpans:
     """One worker's batch: rows `spans[k]` of the block `refs[k]`, in order;
@@ -98,58 +98,82 @@ class RayDataFeed:
     """A `ray.data.Dataset`, consumed by Ray Data: `streaming_split(n, equal=True)`
     gives each worker an iterator over its share, and each worker reads batches
     with `iter_batches` (Ray Data prefetches them in the worker). The split is
-    made again whenever workers change, and its epoch then starts over."""
+    made again whenever workers change, and its epoch then starts over. A
+    step's argument is (epoch, batch number in the epoch), so that a worker
+    that sat steps out (backup workers) skips the batches it missed."""
 
     position = None
     reports_epoch_end = True  # train() without num_steps runs until the split's epoch ends
 
     def __init__(self, dataset):
         self.dataset = dataset
+        self._epoch, self._batch = 0, 0
 
     def loaders(self, num_workers: int, timeout_s: float) -> list:
         splits = self.dataset.data.streaming_split(num_workers, equal=True)
+        self._epoch, self._batch = 0, 0
         return [RayDataLoader(s, self.dataset.batch_size, self.dataset.transform) for s in splits]
 
     def steps_per_epoch(self, num_workers: int) -> None:
         return None  # counting rows would run the whole pipeline: an epoch ends when it ends
 
     def step_args(self, num_workers: int, ahead: int, timeout_s: float) -> list:
-        return [NEXT_BATCH] * num_workers  # not None: None means "use get_batch"
+        return [(self._epoch, self._batch + ahead)] * num_workers
 
     def advance(self, num_workers: int) -> None:
-        pass
+        self._batch += 1
+
+    def epoch_ended(self) -> None:
+        self._epoch, self._batch = self._epoch + 1, 0
 
     def seek(self, rows: int) -> None:
         raise ValueError("a Ray Data feed has no row position to seek")
 
 
 class RayDataLoader:
-    """(worker side) The next batch of this worker's streaming split. All
-    workers' batches have the same rows (equal split, full batches only); the
-    end of the split's epoch is reported as None, and the next call starts the
-    next epoch."""
+    """(worker side) Batch `b` of epoch `e` of this worker's streaming split, for
+    the argument (e, b). All workers' batches have the same rows (equal split,
+    full batches only). Batches this worker did not train on (it sat steps
+    out, backup workers) are read and dropped; the end of the split's epoch is
+    reported as None, and the next epoch's first call starts it (a worker
+    still in an earlier epoch reads its rest first)."""
 
     PREFETCH_BATCHES = 2
 
     def __init__(self, split_iterator, batch_size: int, transform: Callable | None):
         self.split_iterator, self.batch_size, self.transform = split_iterator, batch_size, transform
-        self._batches = None
-        self._count = 0
+        self._batches = None  # this epoch's iterator; None: ended (or not started)
+        self._epoch = -1      # the epoch of the iterator (or the last one ended)
+        self._count = 0       # batches read in that epoch
 
-    def batches(self, arg: Any, num_devices: int):
-        if self._batches is None:
+    def batches(self, arg: tuple[int, int], num_devices: int):
+        epoch, number = arg
+        if epoch != self._epoch or self._batches is None:
+            if epoch == self._epoch:  # asked again after this epoch ended: still ended
+                return None
+            while self._batches is not None and self._next() is not None:
+                pass  # the rest of an epoch this worker fell behind in
             self._batches = iter(self.split_iterator.iter_batches(
                 batch_size=self.batch_size, batch_format="numpy", drop_last=True,
                 prefetch_batches=self.PREFETCH_BATCHES))
-            self._count = 0
+            self._epoch, self._count = epoch, 0
+        batch = self._next()
+        while batch is not None and self._count <= number:
+            batch = self._next()  # batches of steps this worker sat out
+        if batch is None:
+            return None
+        return finish(batch, self.transform, num_devices,
+                      f"batch {self._count} of this worker's Ray Data split in this epoch")
+
+    def _next(self):
+        """The next batch of the epoch (counted), or None at its end."""
         try:
             batch = next(self._batches)
         except StopIteration:
             self._batches = None
             return None
         self._count += 1
-        return finish(batch, self.transform, num_devices,
-                      f"batch {self._count} of this worker's Ray Data split in this epoch")
+        return batch
 
 
 def finish(batch, transform: Callable | None, num_devices: int, where: str):

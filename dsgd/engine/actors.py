@@ -42,6 +42,7 @@ class ActorSet:
         self._infos: dict[int, dict] = {}  # slot -> what its setup reported
         self._ps: list = []              # PS j, or None while dead / not started
         self._names: dict[int, str] = {}  # id(handle) -> actor name
+        self._joining: dict[int, object] = {}  # slot -> a replacement started in the background
         self._generation = 0
         self._membership = 0
 
@@ -100,6 +101,36 @@ class ActorSet:
             self._workers.insert(position, handle)
         return handles
 
+    def spawn_worker(self, slot: int):
+        """Create a worker actor for `slot` outside the set (a replacement started
+        in the background, backup workers): it joins with `admit_worker`, is
+        killed by `drop_joining` or `shutdown`. Returns its handle."""
+        model_creator, devices, gpu, alg, init = self.worker_args
+        name = self._name(constants.WORKER_NAME_PREFIX, slot)
+        handle = self._worker_cls.options(name=name, runtime_env=constants.ACTOR_RUNTIME_ENV,
+                                          **self.worker_options).remote(
+            model_creator, slot, devices, gpu, alg, init)
+        self._names[id(handle)] = name
+        self._joining[slot] = handle
+        return handle
+
+    @property
+    def joining(self) -> dict[int, object]:
+        """Replacements started in the background, by slot (a copy)."""
+        return dict(self._joining)
+
+    def admit_worker(self, slot: int, info: dict) -> None:
+        """A background replacement joins the set (a new membership)."""
+        handle = self._joining.pop(slot)
+        position = sorted(self._slots + [slot]).index(slot)
+        self._slots.insert(position, slot)
+        self._workers.insert(position, handle)
+        self._infos[slot] = info
+        self._membership += 1
+
+    def drop_joining(self, slot: int) -> None:
+        _kill(self._joining.pop(slot))
+
     def set_up(self, slots: list[int], infos: list[dict]) -> None:
         """Record what the workers of `slots` reported at setup."""
         self._infos.update(zip(slots, infos))
@@ -144,9 +175,10 @@ class ActorSet:
         self._ps[j] = None
 
     def shutdown(self) -> None:
-        for handle in self._workers + [p for p in self._ps if p is not None]:
+        for handle in self._workers + [p for p in self._ps if p is not None] \
+                + list(self._joining.values()):
             _kill(handle)
-        self._workers, self._slots, self._ps = [], [], []
+        self._workers, self._slots, self._ps, self._joining = [], [], [], {}
 
     # -- waiting --------------------------------------------------------------
     def wait(self, refs: list, owners: list, what: str, timeout_s: float,

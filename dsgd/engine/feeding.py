@@ -28,13 +28,19 @@ def train(loop: StepLoop, entry: FeedEntry | None, num_steps: int | None, desc: 
     applied in all, "failures": failures recovered in all, "mean_times": mean
     seconds per step of step_s/data_s/compute_s/apply_s/exchange_s, "workers":
     per worker (worker order) {"num_samples", "batch_count", "sums": {metric:
-    sum over steps of value x samples}, "last": {metric: last step's value}},
-    the metrics being "loss" and any others get_loss returns}.
+    sum over steps of value x samples}, "last": {metric: last step's value},
+    "dropped_batches", "dropped_samples"}, the metrics being "loss" and any
+    others get_loss returns; "dropped_batches"/"dropped_samples": in all
+    workers, batches and rows left out of the steps' means (backup workers;
+    a late worker's get_batch batch is counted when its report reaches the
+    driver: one still computing when train() returns counts in a later call)}.
+    With backup workers a worker's "num_samples"/"batch_count"/metrics are
+    those of the steps it contributed to.
     `one_step_rows` describes one step's rows, for the error when the data is
     smaller than that."""
     until_epoch_end = num_steps is None
     start = time.perf_counter()
-    tally = Tally()
+    tally = Tally(loop.stragglers)
     ended_at = None
     with progress_bar.bar(None if until_epoch_end else int(num_steps), desc) as bar:
         step_start = time.perf_counter()
@@ -54,7 +60,8 @@ def train(loop: StepLoop, entry: FeedEntry | None, num_steps: int | None, desc: 
                                 samples_s=f"{tally.samples / (time.perf_counter() - start):.0f}",
                                 refresh=False)
             bar.update()
-    return tally.summary(loop.progress, until_epoch_end, time.perf_counter() - start)
+    return tally.summary(loop.progress, until_epoch_end, time.perf_counter() - start,
+                         loop.stragglers)
 
 
 class Tally:
@@ -63,8 +70,9 @@ class Tally:
     the sum of value x samples and the last value; a worker's value of a step
     is the mean over its replicas."""
 
-    def __init__(self):
+    def __init__(self, stragglers=None):
         self.steps, self.skipped, self.samples = 0, 0, 0
+        self._dropped_at_start = _dropped(stragglers)
         self.losses, self.times = [], {k: [] for k in ("step_s", "data_s", "compute_s",
                                                         "apply_s", "exchange_s")}
         self.workers: list[dict] = []
@@ -85,9 +93,11 @@ class Tally:
                            ("exchange_s", max(0.0, step_s - compute_s - apply_s))):
             self.times[key].append(value)
         self.losses.append(float(np.mean([x for info in infos for x in info["losses"]])))
-        while len(self.workers) < len(infos):
-            self.workers.append({"num_samples": 0, "batch_count": 0, "sums": {}, "last": {}})
-        for worker, info in zip(self.workers, infos):
+        slots = result.contributors if result.contributors is not None else range(len(infos))
+        while len(self.workers) <= max(slots):
+            self.workers.append(_worker_tally())
+        for slot, info in zip(slots, infos):
+            worker = self.workers[slot]
             samples = int(info.get("samples", 0))
             values = {"loss": float(np.mean(info["losses"]))}
             values.update({k: float(np.mean(v)) for k, v in info.get("metrics", {}).items()})
@@ -98,8 +108,16 @@ class Tally:
                 worker["last"][key] = value
             self.samples += samples
 
-    def summary(self, progress: Progress, epoch_ended: bool, train_s: float) -> dict:
+    def summary(self, progress: Progress, epoch_ended: bool, train_s: float,
+                stragglers=None) -> dict:
         times = {k: float(np.mean(v)) if v else float("nan") for k, v in self.times.items()}
+        batches, samples = _dropped(stragglers)
+        start_batches, start_samples = self._dropped_at_start
+        for slot in sorted(set(batches) | set(samples)):
+            while len(self.workers) <= slot:
+                self.workers.append(_worker_tally())
+            self.workers[slot]["dropped_batches"] = batches.get(slot, 0) - start_batches.get(slot, 0)
+            self.workers[slot]["dropped_samples"] = samples.get(slot, 0) - start_samples.get(slot, 0)
         return {"loss": float(np.nanmean(self.losses)) if self.losses else float("nan"),
                 "steps": self.steps, "num_samples": self.samples,
                 "skipped_steps": self.skipped, "epoch_ended": epoch_ended, "train_s": train_s,
@@ -108,4 +126,18 @@ class Tally:
                 else float("nan"),
                 "samples_per_s": self.samples / train_s if train_s > 0 else 0.0,
                 "step": progress.steps_done, "failures": len(progress.failures),
+                "dropped_batches": sum(w["dropped_batches"] for w in self.workers),
+                "dropped_samples": sum(w["dropped_samples"] for w in self.workers),
                 "mean_times": times, "workers": self.workers}
+
+
+def _worker_tally() -> dict:
+    return {"num_samples": 0, "batch_count": 0, "sums": {}, "last": {}, "dropped_batches": 0,
+            "dropped_samples": 0}
+
+
+def _dropped(stragglers) -> tuple[dict, dict]:
+    """(dropped batches, dropped rows) per slot so far (backup workers)."""
+    if stragglers is None:
+        return {}, {}
+    return dict(stragglers.dropped_batches), dict(stragglers.dropped_samples)

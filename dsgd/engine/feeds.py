@@ -14,6 +14,7 @@ it through this protocol (implemented in dsgd/data/feeds.py):
                                            (which tells workers to use get_batch)
     feed.advance(num_workers)              the next step was completed (or skipped)
                                            on that many workers
+    feed.epoch_ended()                     a step found the data's epoch ended
     feed.position                          rows consumed so far (None: not tracked)
     feed.seek(rows)                        continue from row `rows` (checkpoint restore)
     feed.reports_epoch_end                 True: the loaders tell when an epoch ends

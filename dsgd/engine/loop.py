@@ -41,6 +41,7 @@ class StepLoop:
                  recovery: Recovery):
         self.config, self.actors, self.topology = config, actors, topology
         self.progress, self.recovery = progress, recovery
+        self.stragglers = recovery.stragglers
         self._run_ids = itertools.count(1)
 
     def run(self, entry: FeedEntry | None, count: int | None) -> Iterator[StepResult]:
@@ -84,6 +85,8 @@ class StepLoop:
             pending = ahead
             for result in results:
                 if result.epoch_end:
+                    if entry is not None:
+                        entry.feed.epoch_ended()
                     yield result
                     continue
                 if result.error is not None:
@@ -102,9 +105,16 @@ class StepLoop:
                 done: int):
         """The unit whose first step is `offset` steps after the next one."""
         number = self.progress.steps_done + offset + 1
+        if self.stragglers.enabled:
+            # Late workers found dead, and replacements ready to join (dsgd/engine/backups.py).
+            self.stragglers.free(self.actors.workers, self.actors.slots)
+            self.recovery.replace_in_background(self.stragglers.take_dead())
+            self.recovery.admit_joiners()
         if self.actors.num_workers > 1:
+            need = self.stragglers.need(self.actors.num_workers + self.recovery.joining)
             return ExchangeStep(self.config, self.actors, self.topology,
-                                self._step_args(entry, offset), number).submit()
+                                self._step_args(entry, offset), number, self.stragglers,
+                                need).submit()
         size = 1
         if count is not None and self.actors.num_workers == self.config.num_workers:
             size = min(self.config.local_steps_per_call, count - done)
@@ -120,10 +130,21 @@ class StepLoop:
             return [None] * len(workers)
         if entry.needs_loaders(self.actors.membership):
             loaders = entry.feed.loaders(len(workers), self.config.step_timeout_s)
-            self.actors.wait([w.attach_data.remote(entry.key, loader)
-                              for w, loader in zip(workers, loaders)], workers,
-                             "attaching data loaders", self.config.step_timeout_s)
+            refs = [w.attach_data.remote(entry.key, loader) for w, loader in zip(workers, loaders)]
+            if self.stragglers.enabled:
+                # Late workers get theirs in order behind their compute; a feed whose
+                # loaders start an epoch together (Ray Data's split) waits for them.
+                if entry.feed.reports_epoch_end:
+                    self.stragglers.wait_free(self.config.step_timeout_s)
+            else:
+                self.actors.wait(refs, workers, "attaching data loaders",
+                                 self.config.step_timeout_s)
             entry.loaders_sent(self.actors.membership)
+        if self.stragglers.enabled:
+            # Every slot keeps its share of each step's rows; a worker out of a step
+            # (late, dead) skips its share.
+            args = entry.feed.step_args(self.config.num_workers, ahead, self.config.step_timeout_s)
+            return [(entry.key, args[slot]) for slot in self.actors.slots]
         return [(entry.key, arg) for arg in
                 entry.feed.step_args(len(workers), ahead, self.config.step_timeout_s)]
 
@@ -147,6 +168,9 @@ class StepLoop:
             if len(ended) < len(infos):
                 raise DsgdError(f"{step.label}: the data of worker(s) {ended} ended its epoch "
                                 "before the others': every worker's share must have as many batches")
+            if self.stragglers.enabled:
+                # The next epoch's first step starts every worker's share together.
+                self.stragglers.wait_free(self.config.step_timeout_s)
             return [step.result(epoch_end=True)]
         bad = self._nonfinite(infos)
         if bad:
@@ -168,7 +192,8 @@ class StepLoop:
                            ", ".join(f"worker {w} replica {r}" for w, r in bad), self._fp16_hint())
         self.progress.count(result.skipped)
         if entry is not None:
-            entry.feed.advance(result.workers)
+            entry.feed.advance(self.config.num_workers if self.stragglers.enabled
+                               else result.workers)
         if bad and not result.skipped and self.config.on_nonfinite == "raise":
             return self._nonfinite_error(self.progress.steps_done, bad, applied=True)
         return None

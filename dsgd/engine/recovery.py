@@ -16,11 +16,13 @@ from collections.abc import Callable
 
 from dsgd import constants
 from dsgd.config import Config
+from dsgd.comm.waits import actor_died_errors
 from dsgd.engine import failures, launch
 from dsgd.engine.actors import ActorSet
+from dsgd.engine.backups import Stragglers
 from dsgd.engine.resources import placeable_workers
 from dsgd.engine.state import Progress, Topology
-from dsgd.errors import DsgdError
+from dsgd.errors import DsgdError, StepTimeoutError
 
 logger = logging.getLogger("dsgd")
 
@@ -37,11 +39,13 @@ class Recovery:
 
     def __init__(self, config: Config, actors: ActorSet, topology: Topology, progress: Progress,
                  restore_checkpoint: Callable[[str], object],
-                 workers_changed: list[Callable[[], object]]):
+                 workers_changed: list[Callable[[], object]], stragglers: Stragglers):
         self.config, self.actors, self.topology, self.progress = config, actors, topology, progress
+        self.stragglers = stragglers
         self._restore_checkpoint = restore_checkpoint
         self._workers_changed = workers_changed
         self._next_grow_check = 0.0
+        self._joining: dict[int, dict] = {}  # slot -> a background replacement's progress
 
     def recover(self, error: BaseException, between_steps: bool = False) -> bool:
         """Carry out what failures.decide says after `error`. Returns True if the
@@ -83,6 +87,7 @@ class Recovery:
                            "replica batches", self.actors.num_workers,
                            self.actors.num_workers * self.config.devices_per_worker)
         self._changed(action.replace_workers)
+        self.stragglers.reset()  # the probe ran after every queued call: nobody is late
         self.progress.failed({"step": step, "error": type(error).__name__,
                               "reason": action.reason,
                               "recovery_s": time.perf_counter() - start})
@@ -127,7 +132,8 @@ class Recovery:
                 or time.monotonic() < self._next_grow_check:
             return
         self._next_grow_check = time.monotonic() + constants.GROW_CHECK_INTERVAL_S
-        missing = [s for s in range(self.config.num_workers) if s not in self.actors.slots]
+        missing = [s for s in range(self.config.num_workers)
+                   if s not in self.actors.slots and s not in self._joining]
         room = placeable_workers(self.actors.worker_options, len(missing))
         if not room:
             return
@@ -138,6 +144,93 @@ class Recovery:
         logger.warning("elastic: added worker(s) %s; %d worker(s), global batch %d replica "
                        "batches", ", ".join(map(str, slots)), self.actors.num_workers,
                        self.actors.num_workers * self.config.devices_per_worker)
+
+    # -- backup workers: replacements that no step waits for -------------------------------
+    @property
+    def joining(self) -> int:
+        """Replacements starting in the background."""
+        return len(self._joining)
+
+    def replace_in_background(self, slots: list[int]) -> None:
+        """Backup workers: the workers of `slots` died and steps go on without
+        them (the first `need` of the survivors make each step). Start their
+        replacements without waiting: `admit_joiners`, called before each step,
+        lets each in once it has built its replicas and compiled the step. Each
+        counts as one failure (max_failures)."""
+        for slot in slots:
+            if slot not in self.actors.slots:
+                continue
+            failure = len(self.progress.failures) + len(self._joining) + 1
+            if failure > self.config.max_failures:
+                raise DsgdError(f"step {self.progress.steps_done + 1}: worker {slot} died; failure "
+                                f"{failure} exceeds max_failures={self.config.max_failures}")
+            self.actors.remove_worker(slot)
+            self._spawn(slot, time.perf_counter(), self.progress.steps_done + 1)
+            logger.warning("step %d: worker %d died; steps go on with %d worker(s) while a "
+                           "replacement starts in the background", self.progress.steps_done + 1,
+                           slot, self.actors.num_workers)
+
+    def admit_joiners(self) -> None:
+        """Let in every background replacement that is ready: it takes a free
+        worker's full state (queued behind that worker's applies so far, so it is
+        the state after the steps submitted until now) and is late until the
+        state is in. Does not wait; a replacement that has not started within
+        `start_timeout_s` raises StepTimeoutError."""
+        for slot, joiner in list(self._joining.items()):
+            try:
+                self._admit(slot, joiner)
+            except actor_died_errors() as e:  # the replacement died: start another
+                logger.warning("worker %d's replacement died while starting (%s); starting "
+                               "another", slot, first_line(e))
+                self.actors.drop_joining(slot)
+                self._spawn(slot, joiner["start"], joiner["step"])
+
+    def _spawn(self, slot: int, start: float, step: int) -> None:
+        self.actors.next_generation(workers_added=False)
+        handle = self.actors.spawn_worker(slot)
+        self._joining[slot] = {"handle": handle, "setup": handle.setup.remote(),
+                               "configure": None, "info": None, "start": start, "step": step}
+
+    def _admit(self, slot: int, joiner: dict) -> None:
+        import ray
+
+        handle = joiner["handle"]
+        if joiner["configure"] is None:
+            if not ray.wait([joiner["setup"]], timeout=0)[0]:
+                self._check_start_time(slot, joiner)
+                return
+            joiner["info"] = ray.get(joiner["setup"], timeout=self.config.step_timeout_s)
+            launch.check_signatures([self.topology.signature, joiner["info"]])
+            joiner["configure"] = handle.configure.remote(
+                self.topology.plan, self.config.on_nonfinite, self.topology.warm_store_bytes)
+        if not ray.wait([joiner["configure"]], timeout=0)[0]:
+            self._check_start_time(slot, joiner)
+            return
+        ray.get(joiner["configure"], timeout=self.config.step_timeout_s)
+        workers = self.actors.workers
+        free = self.stragglers.free(workers, self.actors.slots)
+        source = workers[free[0] if free else 0]
+        state_set = handle.set_full_state.remote(source.get_full_state.remote())
+        del self._joining[slot]
+        self.actors.admit_worker(slot, joiner["info"])
+        self.stragglers.late(handle, slot, state_set)
+        recovery_s = time.perf_counter() - joiner["start"]
+        self.progress.failed({"step": joiner["step"], "error": "ActorDiedError",
+                              "reason": f"worker {slot} died; replaced in the background "
+                                        "(backup workers: no step waited for it)",
+                              "recovery_s": recovery_s})
+        logger.warning("worker %d's replacement joined after %.1f s (%d steps ran without "
+                       "it)", slot, recovery_s, self.progress.steps_done + 1 - joiner["step"])
+        self._changed([slot])
+
+    def _check_start_time(self, slot: int, joiner: dict) -> None:
+        waited = time.perf_counter() - joiner["start"]
+        if waited > self.config.start_timeout_s:
+            self.actors.drop_joining(slot)
+            del self._joining[slot]
+            raise StepTimeoutError(f"worker {slot}'s replacement did not start within "
+                                   f"start_timeout_s={self.config.start_timeout_s:.0f} s "
+                                   f"(cluster resources available: see ray.available_resources())")
 
     def _add_workers(self, slots: list[int]) -> None:
         """Start workers for `slots` and any PS actor that is missing. Their state

@@ -18,6 +18,7 @@ from dsgd import constants
 from dsgd.config import Config
 from dsgd.engine import checkpoints, feeding, launch
 from dsgd.engine.actors import ActorSet
+from dsgd.engine.backups import Stragglers
 from dsgd.engine.feeds import Feeds
 from dsgd.engine.loop import StepLoop
 from dsgd.engine.recovery import Recovery
@@ -120,7 +121,8 @@ class DistributedSGD:
                  stall_warning_s: float | None = None, on_nonfinite: str = "raise",
                  max_failures: int = constants.DEFAULT_MAX_FAILURES, elastic: bool = False,
                  replace_hung: bool = False, worker_init: Callable[[], Any] | None = None,
-                 compression: str | None = None, apply_per_group: bool = True,
+                 compression: str | None = None, backup_workers: int = 0,
+                 apply_per_group: bool = True,
                  local_steps_per_call: int = constants.LOCAL_STEPS_PER_CALL):
         self.config = Config(
             model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
@@ -129,7 +131,7 @@ class DistributedSGD:
             stall_warning_s=stall_warning_s, on_nonfinite=on_nonfinite,
             max_failures=max_failures, elastic=elastic, replace_hung=replace_hung,
             worker_init=worker_init, compression=compression, apply_per_group=apply_per_group,
-            local_steps_per_call=local_steps_per_call)
+            local_steps_per_call=local_steps_per_call, backup_workers=backup_workers)
         import ray
 
         if not ray.is_initialized():
@@ -149,7 +151,8 @@ class DistributedSGD:
             self._actors.shutdown()
             raise
         self._recovery = Recovery(config, self._actors, self._topology, self._progress,
-                                  self.restore_checkpoint, self.on_workers_changed)
+                                  self.restore_checkpoint, self.on_workers_changed,
+                                  Stragglers(config.backup_workers))
         self._loop = StepLoop(config, self._actors, self._topology, self._progress,
                               self._recovery)
 
@@ -250,7 +253,9 @@ class DistributedSGD:
         (the rest of `step_s`: moving shards and averaging them) and `step_s`
         (driver wall time, recovery included); `step` (steps applied so far),
         `skipped` (this step was skipped: non-finite gradient), `skipped_steps`,
-        `num_workers` and `failures` (failures recovered so far).
+        `num_workers` and `failures` (failures recovered so far); with
+        `backup_workers`, `contributors` (sorted worker indices whose gradients
+        make the step's mean: the loss is theirs) and `dropped` (the others).
         """
         start = time.perf_counter()
         result = next(iter(self._loop.run(None, 1)))
@@ -261,11 +266,16 @@ class DistributedSGD:
         losses = [x for info in infos for x in info["losses"]] if infos else [float("nan")]
         compute_s = max(info["compute_s"] for info in infos) if infos else 0.0
         apply_s = max(a["apply_s"] for a in result.applied)
-        return {"loss": float(np.mean(losses)), "compute_s": compute_s,
-                "exchange_s": max(0.0, step_s - compute_s - apply_s), "apply_s": apply_s,
-                "step_s": step_s, "step": self.steps_done, "skipped": result.skipped,
-                "skipped_steps": self.skipped_steps, "num_workers": self.num_workers,
-                "failures": len(self.failures)}
+        stats = {"loss": float(np.mean(losses)), "compute_s": compute_s,
+                 "exchange_s": max(0.0, step_s - compute_s - apply_s), "apply_s": apply_s,
+                 "step_s": step_s, "step": self.steps_done, "skipped": result.skipped,
+                 "skipped_steps": self.skipped_steps, "num_workers": self.num_workers,
+                 "failures": len(self.failures)}
+        if self.config.backup_workers:
+            stats["contributors"] = list(result.contributors) if result.contributors is not None \
+                else sorted(self._actors.slots)
+            stats["dropped"] = list(result.dropped)
+        return stats
 
     def train(self, num_steps: int | None = None, dataset=None, *, desc: str = "train") -> dict:
         """Run `num_steps` steps, each replica's `get_loss(batch)` getting its batch

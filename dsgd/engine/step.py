@@ -22,25 +22,35 @@ import time
 
 from dsgd import constants
 from dsgd.comm.means import group_means
+from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
+from dsgd.engine.backups import Stragglers
 from dsgd.engine.state import Topology
+from dsgd.errors import DsgdError, StepTimeoutError
 
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     """One step as the loop yields it.
 
-    infos: each worker's report (losses, finite, metrics, samples, timings), in
-        worker order; None for a step that had been applied when a failure
-        interrupted it.
-    applied: each worker's apply report (`apply_s`, ...); [] at an epoch's end.
-    workers: the workers the step ran on (its data: one batch each).
+    infos: the contributors' reports (losses, finite, metrics, samples,
+        timings), in worker order (every worker's without backup workers);
+        None for a step that had been applied when a failure interrupted it.
+    applied: each waited-for worker's apply report (`apply_s`, ...); [] at an
+        epoch's end.
+    workers: the workers the step's data was shared among (one batch each).
     skipped: not applied (a non-finite gradient under on_nonfinite="skip").
     epoch_end: the data's epoch ended instead of a step.
     step_s: one worker's call of several steps: its wall time per step.
     error: a step of a call of several that raised after the steps before it
         were applied (the loop counts those, then raises this).
+    contributors: the worker slots whose gradients make the step's mean (sorted);
+        None: every worker of the step (`infos` in slot order).
+    dropped: the other slots of the step (backup workers: late, sat out, or
+        reported after the contributors were chosen).
+    dead: slots found dead during the step (backup workers: replaced in the
+        background, the step completed without them).
     """
 
     infos: list[dict] | None
@@ -50,77 +60,242 @@ class StepResult:
     epoch_end: bool = False
     step_s: float | None = None
     error: BaseException | None = None
+    contributors: list[int] | None = None
+    dropped: list[int] = dataclasses.field(default_factory=list)
+    dead: list[int] = dataclasses.field(default_factory=list)
 
 
 class ExchangeStep:
     """One step of several workers (see the module docstring). `data`: one
-    argument per worker (None: each replica's get_batch)."""
+    argument per worker (None: each replica's get_batch). With backup workers
+    (`stragglers.enabled`) only the free workers compute, the step's mean is
+    over the first `need` of them to report, and its applies go to every
+    worker, the late ones' owed (dsgd/engine/backups.py)."""
 
     exchanges = True
     size = 1
 
     def __init__(self, config: Config, actors: ActorSet, topology: Topology, data: list,
-                 number: int):
+                 number: int, stragglers: Stragglers, need: int | None = None):
         self.config, self.actors, self.topology = config, actors, topology
         self.data, self.label = data, f"step {number}"
+        self.stragglers = stragglers
         self.workers = actors.workers
+        self.slots = actors.slots
+        self.need = need if need is not None else len(self.workers)
         self.start = time.perf_counter()
-        self._streams: list = []
+        self._running: list[int] = []      # indices into workers that compute this step
+        self._streams: list = []           # their compute streams
+        self._chosen: list[int] = []       # indices (sorted) of the contributors
+        self._late: list[int] = []         # indices still computing when they were chosen
+        self._dead: list[int] = []         # indices found dead while computing
         self._infos: list[dict] | None = None
+        self._extra: dict[int, dict] = {}  # index -> report of a worker dropped on time
         self._apply_refs: list | None = None  # submitted applies, not yet waited for
+        self._apply_owners: list = []
 
     def time_left(self) -> float:
         return max(0.001, self.config.step_timeout_s - (time.perf_counter() - self.start))
 
     def submit(self) -> ExchangeStep:
-        self._streams = [w.compute.options(num_returns="streaming").remote(self.topology.groups, d)
-                         for w, d in zip(self.workers, self.data)]
+        if self.stragglers.enabled:
+            self._running = self.stragglers.free(self.workers, self.slots)
+        else:
+            self._running = list(range(len(self.workers)))
+        self._streams = [self.workers[k].compute.options(num_returns="streaming").remote(
+            self.topology.groups, self.data[k]) for k in self._running]
         return self
 
+    @property
+    def _contributors(self) -> list:
+        return [self.workers[k] for k in self._chosen]
+
+    def _contributor_streams(self) -> list:
+        return [self._streams[self._running.index(k)] for k in self._chosen]
+
     def reports(self) -> list[dict]:
-        """Every worker's report of its computed gradients (blocks)."""
+        """The contributors' reports of their computed gradients, in worker order
+        (blocks: for every worker, or with backup workers for the first `need`)."""
         if self._infos is None:
             what = f"{self.label}: computing gradients"
-            refs = self.actors.next_all(self._streams, self.workers, what, self.time_left())
-            self._infos = self.actors.wait(refs, self.workers, what, self.time_left())
+            if not self.stragglers.enabled:
+                workers = [self.workers[k] for k in self._running]
+                refs = self.actors.next_all(self._streams, workers, what, self.time_left())
+                self._infos = self.actors.wait(refs, workers, what, self.time_left())
+                self._chosen = list(self._running)
+            else:
+                self._first_reports(what)
         return self._infos
+
+    def _first_reports(self, what: str) -> None:
+        """Backup workers: wait for the first `need` reports; the others are late
+        (or, when they were ready together, dropped on time). A worker found dead
+        is left out; when too few others are computing, workers that were late
+        are given the step as soon as they are free (they have applied every
+        step before it by then), and only when none is left does the death
+        become a failure to recover from."""
+        import ray
+
+        died = actor_died_errors()
+        pending: dict[int, int] = {}  # id(stream) -> index into workers
+        streams: dict[int, object] = {}
+        for k, stream in zip(self._running, self._streams):
+            pending[id(stream)], streams[id(stream)] = k, stream
+        arrived: dict[int, dict] = {}
+        while len(arrived) < self.need:
+            if len(arrived) + len(pending) < self.need and not self._recruit(pending, streams):
+                raise self._dead_error()
+            waiting = [streams[key] for key in pending]
+            ready, _ = ray.wait(waiting, num_returns=1,
+                                timeout=min(self.time_left(), self.config.stall_report_s))
+            if not ready:
+                if self.time_left() <= 0.001:
+                    late = [self.workers[k] for k in pending.values()]
+                    raise StepTimeoutError(
+                        f"{what}: only {len(arrived)} of the {self.need} workers the step needs "
+                        f"answered in {self.config.step_timeout_s:.1f} s; no answer from "
+                        f"{', '.join(sorted(self.actors.name(w) for w in late))}", late)
+                continue
+            for stream in ready:
+                k = pending.pop(id(stream))
+                try:
+                    arrived[k] = ray.get(next(stream), timeout=self.time_left())
+                except died as e:
+                    self._dead.append(k)
+                    self._died_error = e
+                    self.stragglers.dead(self.workers[k], self.slots[k])
+        # Workers whose report is in too are dropped on time, the rest are late.
+        if pending:
+            ready, _ = ray.wait([streams[key] for key in pending], num_returns=len(pending),
+                                timeout=0)
+            for stream in ready:
+                k = pending.pop(id(stream))
+                try:
+                    self._extra[k] = ray.get(next(stream), timeout=self.time_left())
+                except died:
+                    self._dead.append(k)
+                    self.stragglers.dead(self.workers[k], self.slots[k])
+        self._chosen = sorted(arrived)
+        self._late = sorted(pending.values())
+        for key, k in pending.items():
+            # get_batch: its rows are known once its report arrives; a dataset's
+            # share is known now (_count_dropped).
+            self.stragglers.late(self.workers[k], self.slots[k], streams[key],
+                                 count_rows=self.data[k] is None)
+        self._infos = [arrived[k] for k in self._chosen]
+
+    def _recruit(self, pending: dict, streams: dict) -> bool:
+        """Give the step to late workers as they become free (waits for one, at
+        most what is left of the step's time). False when no worker is left to ask."""
+        import ray
+
+        while True:
+            free = [k for k in self.stragglers.free(self.workers, self.slots)
+                    if k not in self._running]
+            if free:
+                for k in free:
+                    stream = self.workers[k].compute.options(num_returns="streaming").remote(
+                        self.topology.groups, self.data[k])
+                    self._running.append(k)
+                    self._streams.append(stream)
+                    pending[id(stream)], streams[id(stream)] = k, stream
+                return True
+            busy = self.stragglers.busy_objects(self.workers)
+            if not busy or self.time_left() <= 0.001:
+                return False
+            ray.wait(busy, num_returns=1, timeout=self.time_left())
+
+    def _dead_error(self) -> BaseException:
+        error = getattr(self, "_died_error", None)
+        if error is not None:
+            return error
+        return DsgdError(f"{self.label}: fewer than {self.need} workers can compute the step")
 
     def result(self, **flags) -> StepResult:
         """This step, ended before any apply (an epoch end, or a skipped step:
         the streams' shards are dropped)."""
         applied = [] if flags.get("epoch_end") else [{"apply_s": 0.0}]
-        return StepResult(self.reports(), applied, len(self.workers), **flags)
+        return StepResult(self.reports(), applied, len(self.workers),
+                          **self._membership(), **flags)
+
+    def _membership(self) -> dict:
+        if not self.stragglers.enabled:
+            return {}
+        contributors = [self.slots[k] for k in self._chosen]
+        return {"contributors": contributors,
+                "dropped": [s for s in sorted(set(range(self.config.num_workers)) | set(self.slots))
+                            if s not in contributors],
+                "dead": [self.slots[k] for k in self._dead]}
 
     def exchange(self) -> None:
-        """Each shard group's mean, as soon as every worker has written the group,
-        then every worker's apply submitted (Ray runs them in order behind the
-        worker's compute)."""
+        """Each shard group's mean, as soon as every contributor has written the
+        group, then every live worker's apply submitted (Ray runs them in order
+        behind the worker's compute)."""
         import ray
 
-        config, topology, workers = self.config, self.topology, self.workers
+        config, topology = self.config, self.topology
+        contributors, streams = self._contributors, self._contributor_streams()
         mean_refs, grad_refs = [], []
         for g, shards in enumerate(topology.group_shards):
-            refs = self.actors.next_all(self._streams, workers,
+            refs = self.actors.next_all(streams, contributors,
                                         f"{self.label}: writing shard group {g}", self.time_left())
             if config.strategy == "ps":
                 mean_refs.append(self.actors.ps[topology.ps_of_group(g)].mean.remote(shards, *refs))
                 grad_refs.append(refs)
             else:
-                worker_groups = self.actors.wait(refs, workers, f"{self.label}: gathering shard "
-                                                 f"group {g}", self.time_left())
+                worker_groups = self.actors.wait(refs, contributors, f"{self.label}: gathering "
+                                                 f"shard group {g}", self.time_left())
                 mean_refs.append(ray.put(group_means(shards, worker_groups)))
+        self._count_dropped()
+        dead = set(self._dead)
+        appliers = [w for k, w in enumerate(self.workers)
+                    if k not in dead and not self.stragglers.is_dead(w)]
         if per_group(config, topology, self.actors):
             # Every gradient is in the store by now: a worker applies group g while
             # the PS actors still sum the groups after it, and can compute a mean
             # itself if its PS dies. The workers wait a little past the driver, so
             # that a late PS is the driver's StepTimeoutError, and once they have
             # begun to apply a step, another step_timeout_s before they give up.
-            self._apply_refs = [w.apply_staged.remote(
+            refs = [w.apply_staged.remote(
                 topology.groups, mean_refs, grad_refs,
                 self.time_left() + constants.WORKER_WAIT_MARGIN_S, config.step_timeout_s)
-                for w in workers]
+                for w in appliers]
         else:
-            self._apply_refs = [w.apply.remote(topology.groups, *mean_refs) for w in workers]
+            refs = [w.apply.remote(topology.groups, *mean_refs) for w in appliers]
+        # Late workers apply behind their compute: nothing waits for them now.
+        self._apply_refs, self._apply_owners = [], []
+        for w, ref in zip(appliers, refs):
+            if self.stragglers.is_busy(w):
+                self.stragglers.owe(w, ref)
+            else:
+                for owed in self.stragglers.owed(w):
+                    self._apply_refs.append(owed)
+                    self._apply_owners.append(w)
+                self._apply_refs.append(ref)
+                self._apply_owners.append(w)
+
+    def _count_dropped(self) -> None:
+        """Backup workers: one dropped batch for every worker left out of this
+        step that computed one, or, with a dataset, whose share of rows it skips,
+        with its rows. A late worker's get_batch batch is counted when its report
+        arrives (its rows are not known before)."""
+        if not self.stragglers.enabled:
+            return
+        chosen, running = set(self._chosen), set(self._running)
+        share = self._infos[0].get("samples", 0) if self._infos else 0
+        for k, slot in enumerate(self.slots):
+            if k in chosen:
+                continue
+            if k in self._extra:
+                self.stragglers.count_dropped(slot, self._extra[k].get("samples", 0))
+            elif k in self._late:
+                if self.data[k] is not None:  # get_batch: counted when its report arrives
+                    self.stragglers.count_dropped(slot, share)
+            elif k not in running or k in self._dead:
+                if self.data[k] is not None:  # a dataset: its share of rows is skipped
+                    self.stragglers.count_dropped(slot, share)
+                elif k in self._dead:
+                    self.stragglers.count_dropped(slot, None)
 
     @property
     def applies_pending(self) -> bool:
@@ -128,10 +303,12 @@ class ExchangeStep:
         return self._apply_refs is not None
 
     def finish(self) -> list[StepResult]:
-        """Waits for the applies (blocks, at most what is left of step_timeout_s)."""
+        """Waits for the applies (blocks, at most what is left of step_timeout_s),
+        not for those of late workers."""
         refs, self._apply_refs = self._apply_refs, None
-        applied = self.actors.wait(refs, self.workers, f"{self.label}: applying", self.time_left())
-        return [StepResult(self.reports(), applied, len(self.workers))]
+        owners = self._apply_owners
+        applied = self.actors.wait(refs, owners, f"{self.label}: applying", self.time_left())
+        return [StepResult(self.reports(), applied, len(self.workers), **self._membership())]
 
 
 class LocalSteps:

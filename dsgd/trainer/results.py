@@ -7,6 +7,8 @@ from __future__ import annotations
 
 # Keys of the engine's per-step tally that are not train_batch metrics.
 _ENGINE_KEYS = ("loss", "train_loss")
+# Counts that add up over workers (backup workers: batches and rows left out of the means).
+_SUMMED = ("dropped_batches", "dropped_samples")
 
 
 def worker_means(worker: dict) -> dict[str, float]:
@@ -23,6 +25,8 @@ def train_results(summary: dict, epoch: int, reduce_results: bool, profile: bool
         means = worker_means(worker)
         row = {"epoch": epoch, "batch_count": worker["batch_count"],
                "num_samples": worker["num_samples"],
+               "dropped_batches": worker.get("dropped_batches", 0),
+               "dropped_samples": worker.get("dropped_samples", 0),
                "train_loss": means.get("train_loss", means.get("loss")),
                "last_train_loss": worker["last"].get("train_loss", worker["last"].get("loss"))}
         row.update({k: v for k, v in means.items() if k not in _ENGINE_KEYS})
@@ -55,15 +59,18 @@ def validation_results(tallies: list[dict], metric_results: dict, reduce_results
 
 
 def reduce(rows: list[dict], epoch) -> dict:
-    """Workers' rows merged: num_samples summed, batch_count averaged, every other
-    number averaged weighted by the workers' samples."""
+    """Workers' rows merged: num_samples and dropped_* summed, batch_count
+    averaged, every other number averaged weighted by the workers' samples."""
     total = sum(r["num_samples"] for r in rows)
     merged = {"num_samples": total,
               "batch_count": sum(r["batch_count"] for r in rows) / max(len(rows), 1)}
+    for key in _SUMMED:
+        if any(key in r for r in rows):
+            merged[key] = sum(r.get(key, 0) for r in rows)
     if epoch is not None:
         merged = {"epoch": epoch, **merged}
     keys = list(dict.fromkeys(k for r in rows for k in r
-                              if k not in ("epoch", "num_samples", "batch_count")))
+                              if k not in ("epoch", "num_samples", "batch_count") + _SUMMED))
     for key in keys:
         weighted = [(r[key], r["num_samples"]) for r in rows if r.get(key) is not None]
         weight = sum(n for _, n in weighted)

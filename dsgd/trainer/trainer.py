@@ -53,7 +53,11 @@ class Trainer:
         logdir: write TensorBoard scalars there (train_loss, samples_per_s,
             val_*) after every `train()`/`validate()`, step = epoch.
         **engine_options: passed to `DistributedSGD` (`step_timeout_s`,
-            `max_failures`, ...). The Trainer turns on `replace_hung`.
+            `max_failures`, `backup_workers`, ...). The Trainer turns on
+            `replace_hung`. With `backup_workers=b` each step averages the
+            first num_workers - b workers' gradients (README "Stragglers");
+            `train()` then reports `dropped_batches` and `dropped_samples`
+            (also to TensorBoard); validation is unaffected.
     Blocks while the workers start (each builds its operators).
     """
 
@@ -109,7 +113,8 @@ class Trainer:
         """One epoch (or `num_steps` steps) of the registered training data, or of
         `dataset` (a `dsgd.Dataset`, as the seed's `train(dataset=...)`). Blocks;
         a tqdm bar on a terminal. Returns {"epoch", "batch_count", "num_samples",
-        "train_loss", "last_train_loss", ...train_batch's metrics}, averaged over
+        "train_loss", "last_train_loss", "dropped_batches", "dropped_samples",
+        ...train_batch's metrics}, averaged over
         batches (weighted by samples) then workers (weighted by samples), or one
         such dict per worker with `reduce_results=False`; `profile=True` adds mean
         seconds per step (mean_data_s, mean_compute_s, mean_exchange_s,
@@ -129,8 +134,11 @@ class Trainer:
                                  desc=f"epoch {epoch}")
         result = results.train_results(summary, epoch, reduce_results, profile)
         reduced = result if reduce_results else results.train_results(summary, epoch, True, False)
-        self._log({"train_loss": reduced["train_loss"],
-                   "samples_per_s": summary["samples_per_s"]})
+        scalars = {"train_loss": reduced["train_loss"], "samples_per_s": summary["samples_per_s"]}
+        if self.sgd.config.backup_workers:
+            scalars.update(dropped_batches=summary["dropped_batches"],
+                           dropped_samples=summary["dropped_samples"])
+        self._log(scalars)
         return result
 
     def validate(self, num_steps: int | None = None, profile: bool = False,

@@ -1,0 +1,150 @@
+"""Backup workers (driver side): which workers are late, and what they owe.
+
+With `backup_workers=b`, a step's mean is over the gradients of the first
+`need` workers to report theirs (need = workers - b); the others are dropped.
+A worker still computing when the step's contributors are chosen is *late*:
+the step does not wait for it, it is not given the steps it falls behind on
+(it sits them out: no gradient computed, no batch drawn from get_batch, its
+share of a dataset's rows skipped), and it is given every step's apply, which
+Ray runs in order behind its compute, so its weights stay those of every
+other replica. It takes part again in the first step submitted after its
+report arrived. `Stragglers` keeps that record: the late workers and the
+object whose readiness frees each, the applies submitted to them (checked
+when they next take part), and the dropped batches and rows per worker.
+
+A late worker that dies is found here (its report raises); the step loop then
+has it replaced in the background (Recovery.replace_in_background).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dsgd.comm.waits import actor_died_errors
+
+logger = logging.getLogger("dsgd")
+
+
+class Stragglers:
+    """The late workers of one DistributedSGD (keyed by actor handle identity).
+
+    Args:
+        backup_workers: b; 0 turns all of this off (every step waits for every worker).
+    """
+
+    def __init__(self, backup_workers: int):
+        self.backup_workers = backup_workers
+        self._busy: dict[int, tuple] = {}      # id(handle) -> (handle, slot, stream or ref)
+        self._owed: dict[int, list] = {}       # id(handle) -> apply refs not yet checked
+        self._dead: dict[int, int] = {}        # id(handle) -> slot, found dead, not yet removed
+        self.dropped_batches: dict[int, int] = {}  # slot -> batches computed or skipped, dropped
+        self.dropped_samples: dict[int, int] = {}  # slot -> their rows
+
+    @property
+    def enabled(self) -> bool:
+        return self.backup_workers > 0
+
+    def need(self, workers: int) -> int:
+        """Contributors of a step among `workers` (live and joining)."""
+        return max(1, workers - self.backup_workers)
+
+    # -- late workers ---------------------------------------------------------------------
+    def late(self, handle, slot: int, pending, count_rows: bool = False) -> None:
+        """`handle` (worker `slot`) has not reported its step's gradient; it is free
+        again once `pending` (its compute's stream, or any ObjectRef) is ready.
+        `count_rows`: its batch is a dropped batch, counted with its rows when its
+        report arrives (get_batch: its rows are not known before)."""
+        self._busy[id(handle)] = (handle, slot, pending, count_rows)
+
+    def owe(self, handle, ref) -> None:
+        """An apply submitted to a late worker, to check when it next takes part."""
+        self._owed.setdefault(id(handle), []).append(ref)
+
+    def owed(self, handle) -> list:
+        """(and forgets) the applies submitted to `handle` while it was late."""
+        return self._owed.pop(id(handle), [])
+
+    def is_busy(self, handle) -> bool:
+        return id(handle) in self._busy
+
+    def is_dead(self, handle) -> bool:
+        return id(handle) in self._dead
+
+    def dead(self, handle, slot: int) -> None:
+        self._dead[id(handle)] = slot
+        self._busy.pop(id(handle), None)
+        self._owed.pop(id(handle), None)
+
+    def take_dead(self) -> list[int]:
+        """The slots found dead since the last call (to replace)."""
+        slots = sorted(self._dead.values())
+        self._dead.clear()
+        return slots
+
+    @property
+    def late_slots(self) -> list[int]:
+        return sorted(entry[1] for entry in self._busy.values())
+
+    def free(self, workers: list, slots: list[int]) -> list[int]:
+        """Indices into `workers` of those that may take part in the next step:
+        not late, not dead. A late worker whose report has arrived is free again
+        (a late worker found dead is recorded as dead; an error its late
+        compute raised is raised here)."""
+        import ray
+
+        if self._busy:
+            waiting = [entry[2] for entry in self._busy.values()]
+            ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
+            ready_ids = {id(r) for r in ready}
+            for key, (handle, slot, pending, count_rows) in list(self._busy.items()):
+                if id(pending) in ready_ids:
+                    del self._busy[key]
+                    self._arrived(handle, slot, pending, count_rows)
+        return [k for k, w in enumerate(workers)
+                if id(w) not in self._busy and id(w) not in self._dead]
+
+    def busy_objects(self, workers: list) -> list:
+        """What frees each late worker among `workers` (for ray.wait)."""
+        ids = {id(w) for w in workers}
+        return [entry[2] for key, entry in self._busy.items() if key in ids]
+
+    def _arrived(self, handle, slot: int, pending, count_rows: bool) -> None:
+        import ray
+
+        try:
+            ref = next(pending) if isinstance(pending, ray.ObjectRefGenerator) else pending
+            info = ray.get(ref, timeout=10.0)
+        except actor_died_errors():
+            logger.warning("worker %d died while late (its gradient had been dropped); it is "
+                           "replaced in the background", slot)
+            self.dead(handle, slot)
+            return
+        if count_rows and isinstance(info, dict) and "samples" in info:
+            self.count_dropped(slot, int(info["samples"]))
+
+    def wait_free(self, timeout_s: float) -> None:
+        """Block until every late worker has reported (at most `timeout_s`): before
+        a step every worker must take part in (the first of a Ray Data epoch)."""
+        import time
+
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while self._busy and time.monotonic() < deadline:
+            waiting = [entry[2] for entry in self._busy.values()]
+            ray.wait(waiting, num_returns=len(waiting),
+                     timeout=max(0.001, deadline - time.monotonic()))
+            self.free([], [])
+
+    def count_dropped(self, slot: int, samples: int | None) -> None:
+        """One batch of worker `slot` dropped from a step; its rows when known."""
+        self.dropped_batches[slot] = self.dropped_batches.get(slot, 0) + 1
+        if samples:
+            self.dropped_samples[slot] = self.dropped_samples.get(slot, 0) + int(samples)
+
+    def reset(self) -> None:
+        """After a recovery probed every worker (a ping runs after all their queued
+        calls): nobody is late any more, the applies owed were run (a worker that
+        failed one was brought to the survivors' state by the recovery)."""
+        self._busy.clear()
+        self._owed.clear()

@@ -1,0 +1,271 @@
+"""Backup workers (`backup_workers=b`): each step averages the first N-b workers'
+gradients; late workers never set the pace and stay bit-identical; a run
+replays exactly from its recorded contributor sets.
+
+Batches are keyed by (replica, optimizer iteration) (tiny.StepKeyedModel), so
+a step's gradient of worker w is a pure function of (w, step) wherever and
+whenever it is computed: the replay in this process recomputes each step's
+mean over exactly the recorded contributors.
+"""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+import dsgd
+import counting
+import tiny
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
+
+BATCH = 4
+SLOW_S = 1.0  # the straggler's pause per step: far above a tiny step (tens of ms)
+
+
+class Straggler(tiny.StepKeyedModel):
+    """Worker `slow_worker` pauses `slow_s` seconds in every get_batch."""
+
+    def __init__(self, w, d, slow_worker, slow_s, optimizer="sgdm"):
+        super().__init__(w, d, 1, BATCH, optimizer=optimizer)
+        self.slow = w == slow_worker
+        self.slow_s = slow_s
+
+    def get_batch(self):
+        if self.slow:
+            time.sleep(self.slow_s)
+        return super().get_batch()
+
+
+def straggler_creator(slow_worker=2, slow_s=SLOW_S, optimizer="sgdm"):
+    return lambda w, d: Straggler(w, d, slow_worker, slow_s, optimizer)
+
+
+def make(creator, num_workers=3, backup_workers=1, **kwargs):
+    kwargs.setdefault("grad_shard_bytes", 128)
+    kwargs.setdefault("num_ps", 2)
+    return dsgd.DistributedSGD(creator, num_workers, 1, gpu=False, step_timeout_s=60,
+                               backup_workers=backup_workers, **kwargs)
+
+
+def replay(contributor_sets: list[list[int]], optimizer="sgdm") -> list[np.ndarray]:
+    """One process: step t applies the mean over the recorded contributors w of
+    the gradient on make_batch(w, t), from worker 0's initial weights. Compiled,
+    as the workers' steps are (eager and graph gradients differ in the last bit,
+    and over hundreds of steps such differences grow past 1e-6)."""
+    import tensorflow as tf
+
+    model = tiny.make_keras_model(0)  # replica 0's initialisation, broadcast at start
+    opt = tiny.make_optimizer(optimizer)
+
+    @tf.function
+    def gradient(x, y):
+        with tf.GradientTape() as tape:
+            loss = tiny.mse(model, x, y)
+        return tape.gradient(loss, model.trainable_variables)
+
+    @tf.function
+    def apply(mean):
+        opt.apply_gradients(zip(mean, model.trainable_variables))
+
+    for t, contributors in enumerate(contributor_sets):
+        grads = [gradient(*tiny.make_batch(w, t, BATCH)) for w in contributors]
+        # dsgd's kernel: the contributors' gradients summed in worker order, times 1/n.
+        mean = [tf.add_n([g[k] for g in grads]) * (1.0 / len(grads)) if len(grads) > 1
+                else grads[0][k] for k in range(len(grads[0]))]
+        apply(mean)
+    return [v.numpy() for v in model.trainable_variables]
+
+
+def assert_identical_replicas(sgd):
+    replicas = sgd.foreach_model(lambda m: m.get_weights())
+    for weights in replicas[1:]:
+        for a, b in zip(replicas[0], weights):
+            np.testing.assert_array_equal(a, b)
+    return replicas[0]
+
+
+@pytest.mark.parametrize("bad", [-1, 3, 4, 1.0, True, "1", None])
+def test_bad_backup_workers_raise_before_any_actor(bad):
+    with pytest.raises(ValueError, match=r"backup_workers must be an int with 0 <= "
+                                         r"backup_workers < num_workers=3"):
+        dsgd.DistributedSGD(lambda w, d: None, 3, 1, gpu=False, backup_workers=bad)
+
+
+def test_one_worker_takes_no_backup():
+    with pytest.raises(ValueError, match="backup_workers"):
+        dsgd.DistributedSGD(lambda w, d: None, 1, 1, gpu=False, backup_workers=1)
+
+
+@pytest.fixture(scope="module")
+def straggler_run():
+    """3 workers, backup_workers=1, worker 2 pausing SLOW_S in every batch, 10 steps."""
+    with make(straggler_creator()) as sgd:
+        stats = [sgd.step(fetch_stats=True) for _ in range(10)]
+        weights = assert_identical_replicas(sgd)
+        applies_per_group = sgd.applies_per_group
+    return stats, weights, applies_per_group
+
+
+class TestStraggler:
+    @pytest.fixture
+    def run(self, straggler_run):
+        return straggler_run
+
+    def test_contributors_are_n_minus_b_every_step(self, run):
+        stats, _, applies_per_group = run
+        assert applies_per_group  # two PS groups, each worker applying them as they come
+        for s in stats:
+            assert len(s["contributors"]) == 2 and s["contributors"] == sorted(s["contributors"])
+            assert sorted(s["contributors"] + s["dropped"]) == [0, 1, 2]
+
+    def test_the_straggler_does_not_set_the_pace(self, run):
+        stats, _, _ = run
+        # Worker 2 needs SLOW_S for every batch it draws; the steps do not wait for it.
+        assert sum(2 in s["contributors"] for s in stats) <= 1
+        step_s = sorted(s["step_s"] for s in stats)
+        assert step_s[len(step_s) // 2] < SLOW_S / 2, step_s
+
+    def test_replay_from_contributor_sets_gives_the_same_weights(self, run):
+        stats, weights, _ = run
+        expected = replay([s["contributors"] for s in stats])
+        for a, b in zip(weights, expected):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+# The slow run covers the other paths (each ~8-13 s): the default run keeps the
+# straggler, dataset and kill tests under its time budget.
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [
+    {"strategy": "simple"},
+    {"apply_per_group": False, "optimizer": "adam"},
+])
+def test_simple_strategy_and_whole_step_apply_replay_exactly(options):
+    options = dict(options)
+    optimizer = options.pop("optimizer", "sgdm")
+    with make(straggler_creator(slow_s=0.6, optimizer=optimizer), **options) as sgd:
+        stats = [sgd.step(fetch_stats=True) for _ in range(6)]
+        weights = assert_identical_replicas(sgd)
+    assert all(len(s["contributors"]) == 2 for s in stats)
+    for a, b in zip(weights, replay([s["contributors"] for s in stats], optimizer)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_compression_keeps_replicas_identical():
+    with make(straggler_creator(slow_s=0.6), compression="bf16") as sgd:
+        summary = sgd.train(6)
+        assert_identical_replicas(sgd)
+    # Each step averages 2 workers; worker 2 sits out the steps it fell behind on
+    # (get_batch: no batch drawn). A batch it computed is dropped, counted once its
+    # report arrives (the one in flight when train() returns: by the next call).
+    assert summary["steps"] == 6
+    assert sum(w["batch_count"] for w in summary["workers"]) == 12
+    assert summary["dropped_samples"] == BATCH * summary["dropped_batches"]
+
+
+class SlowCounter(counting.Counter):
+    """Worker 2 pauses 0.5 s in every step (inside the compiled loss)."""
+
+    def __init__(self, w, d):
+        super().__init__(w, d)
+        self.slow = w == 2
+
+    def get_loss(self, batch):
+        import tensorflow as tf
+
+        loss = super().get_loss(batch)
+        if self.slow:
+            pause = tf.numpy_function(lambda: np.float32(time.sleep(0.5) or 0.0), [], tf.float32)
+            loss = loss + 0.0 * tf.reshape(pause, [])
+        return loss
+
+
+def test_dataset_rows_are_seen_at_most_once_and_dropped_rows_are_counted():
+    """Counter: after an epoch, -(contributors) x v counts how often each item
+    went into a mean; with backups every row is trained on at most once and
+    the dropped rows are reported."""
+
+    rows_per_step = 3 * 4
+    n_steps = counting.N // rows_per_step
+    data = dsgd.Dataset(range(counting.N), download_func=counting.one_hot, batch_size=4)
+    with make(lambda w, d: SlowCounter(w, d), num_ps=1, grad_shard_bytes=2**20) as sgd:
+        summary = sgd.train(dataset=data)
+        counts = np.round(-2 * sgd.get_weights()[0]).astype(int)
+    assert summary["steps"] == n_steps
+    assert set(np.unique(counts)) <= {0, 1}
+    # Every step drops one worker's 4 rows: exactly what the counts miss.
+    assert summary["dropped_batches"] == n_steps
+    assert summary["dropped_samples"] + counts.sum() == counting.N
+
+
+@pytest.mark.slow
+def test_ray_data_ingest_with_a_straggler_over_two_epochs():
+    import ray
+
+    ds = ray.data.range(counting.N).map_batches(
+        lambda b: {"x": np.eye(counting.N, dtype=np.float32)[b["id"]]})
+    data = dsgd.Dataset(ds, batch_size=4)
+    with make(lambda w, d: SlowCounter(w, d), num_ps=1, grad_shard_bytes=2**20) as sgd:
+        first = sgd.train(dataset=data)
+        counts = np.round(-2 * sgd.get_weights()[0]).astype(int)
+        second = sgd.train(dataset=data)
+        assert_identical_replicas(sgd)
+    for summary in (first, second):
+        assert summary["epoch_ended"] and summary["steps"] == counting.N // 12
+        assert summary["dropped_batches"] == summary["steps"]
+    assert set(np.unique(counts)) <= {0, 1}
+    assert first["dropped_samples"] + counts.sum() == counting.N
+
+
+def test_a_worker_killed_mid_run_costs_no_step_a_wait_for_its_replacement(tmp_path):
+    """Worker 2 SIGKILLs itself reading its batch of step 3. The steps go on
+    with workers 0 and 1 while its replacement starts (seconds: TensorFlow's
+    import); none of them waits for it, and the run replays exactly."""
+    marker = str(tmp_path / "killed")
+    creator = lambda w, d: tiny.KillAt(w, d, 1, BATCH, 3, 2, marker)  # noqa: E731
+    stats, deadline = [], time.monotonic() + 180
+    with make(creator) as sgd:
+        while not sgd.failures and time.monotonic() < deadline:
+            stats.append(sgd.step(fetch_stats=True))
+        assert sgd.failures, "the replacement never joined"
+        joined_after = len(stats)
+        # Until the replacement has contributed to a step (its first compute traces
+        # the step function: it is late for a while).
+        while time.monotonic() < deadline + 60:
+            stats.append(sgd.step(fetch_stats=True))
+            if 2 in stats[-1]["contributors"]:
+                break
+        weights = assert_identical_replicas(sgd)
+        failure = sgd.failures[0]
+    assert os.path.exists(marker)
+    assert 2 in stats[-1]["contributors"]
+    killed_at = failure["step"] - 1
+    during = stats[killed_at:joined_after]
+    assert len(during) >= 5, (failure, len(stats))
+    assert all(s["contributors"] == [0, 1] for s in during)
+    # No step waited for the replacement's start-up.
+    assert max(s["step_s"] for s in during) < failure["recovery_s"] / 2, (failure, during)
+    assert all(s["failures"] <= 1 for s in stats)
+    for a, b in zip(weights, replay([s["contributors"] for s in stats])):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_trainer_reports_dropped_batches_and_validates_unaffected():
+    import trainer_ops
+
+    trainer = dsgd.Trainer(trainer_ops.Classifier, num_workers=2, backup_workers=1,
+                           config={dsgd.BATCH_SIZE: 16})
+    try:
+        result = trainer.train()
+        validation = trainer.validate()
+        per_worker = trainer.train(reduce_results=False)
+    finally:
+        trainer.shutdown()
+    steps = 64 // 16
+    assert result["dropped_batches"] == steps and result["dropped_samples"] == steps * 8
+    assert result["num_samples"] == steps * 8
+    assert validation["num_samples"] == 30
+    assert sum(r["dropped_batches"] for r in per_worker) == steps
