@@ -51,6 +51,7 @@ class SlowMnist(mnist.MnistModel):
     def set_delay(self, mode: str, step_s: float, seed: int) -> None:
         self.mode, self.step_s = mode, step_s
         self.rng = np.random.default_rng(seed)
+        self._iterator = None  # every run starts its data afresh
 
     def get_batch(self):
         if self.worker == SLOW_WORKER and self.mode != "none":

@@ -269,3 +269,58 @@ def test_trainer_reports_dropped_batches_and_validates_unaffected():
     assert result["num_samples"] == steps * 8
     assert validation["num_samples"] == 30
     assert sum(r["dropped_batches"] for r in per_worker) == steps
+
+
+def replay_devices(contributor_sets: list[list[int]], devices: int) -> list[np.ndarray]:
+    """`replay` for workers of `devices` replicas: a contributor's gradient is the
+    mean over its replicas (replica w * devices + d), as its local allreduce makes it."""
+    import tensorflow as tf
+
+    model = tiny.make_keras_model(0)
+    opt = tiny.make_optimizer("sgdm")
+
+    @tf.function
+    def gradient(x, y):
+        with tf.GradientTape() as tape:
+            loss = tiny.mse(model, x, y)
+        return tape.gradient(loss, model.trainable_variables)
+
+    @tf.function
+    def apply(mean):
+        opt.apply_gradients(zip(mean, model.trainable_variables))
+
+    for t, contributors in enumerate(contributor_sets):
+        per_worker = []
+        for w in contributors:
+            grads = [gradient(*tiny.make_batch(w * devices + d, t, BATCH)) for d in range(devices)]
+            per_worker.append([tf.add_n([g[k] for g in grads]) * (1.0 / devices)
+                               for k in range(len(grads[0]))])
+        apply([tf.add_n([g[k] for g in per_worker]) * (1.0 / len(per_worker))
+               if len(per_worker) > 1 else per_worker[0][k] for k in range(len(per_worker[0]))])
+    return [v.numpy() for v in model.trainable_variables]
+
+
+class DeviceStraggler(tiny.StepKeyedModel):
+    """devices_per_worker=2; worker 1's replicas pause 0.4 s in every batch."""
+
+    def __init__(self, w, d):
+        super().__init__(w, d, 2, BATCH)
+        self.slow = w == 1
+
+    def get_batch(self):
+        if self.slow:
+            time.sleep(0.4)
+        return super().get_batch()
+
+
+@pytest.mark.slow
+def test_devices_per_worker_contribute_all_replicas_or_none_and_elastic():
+    with dsgd.DistributedSGD(DeviceStraggler, 2, 2, gpu=False, backup_workers=1,
+                             elastic=True, grad_shard_bytes=128, num_ps=2,
+                             step_timeout_s=60) as sgd:
+        stats = [sgd.step(fetch_stats=True) for _ in range(6)]
+        weights = assert_identical_replicas(sgd)
+    assert all(len(s["contributors"]) == 1 for s in stats)
+    assert sum(s["contributors"] == [0] for s in stats) >= 5
+    for a, b in zip(weights, replay_devices([s["contributors"] for s in stats], 2)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

@@ -151,7 +151,8 @@ class StepLoop:
     def _may_run_ahead(self, pending, count: int | None, done: int) -> bool:
         if count is not None and done + pending.size >= count:
             return False
-        if self.actors.num_workers < self.config.num_workers:
+        if self.config.elastic and \
+                self.actors.num_workers + self.recovery.joining < self.config.num_workers:
             return False  # elastic: growing back needs a quiet moment
         # One worker would apply a step ahead by itself: only when it was asked for.
         return count is not None or pending.exchanges

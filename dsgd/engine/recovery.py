@@ -165,6 +165,17 @@ class Recovery:
                 raise DsgdError(f"step {self.progress.steps_done + 1}: worker {slot} died; failure "
                                 f"{failure} exceeds max_failures={self.config.max_failures}")
             self.actors.remove_worker(slot)
+            if self.config.elastic and not placeable_workers(self.actors.worker_options, 1):
+                # No room now: go on without it; maybe_grow adds it back when there is.
+                self.progress.failed({"step": self.progress.steps_done + 1,
+                                      "error": "ActorDiedError",
+                                      "reason": f"worker {slot} died; no room to replace it: "
+                                                "elastic, continuing without it",
+                                      "recovery_s": 0.0})
+                logger.warning("step %d: worker %d died and cannot be replaced now; elastic: "
+                               "continuing with %d worker(s)", self.progress.steps_done + 1, slot,
+                               self.actors.num_workers)
+                continue
             self._spawn(slot, time.perf_counter(), self.progress.steps_done + 1)
             logger.warning("step %d: worker %d died; steps go on with %d worker(s) while a "
                            "replacement starts in the background", self.progress.steps_done + 1,

@@ -272,9 +272,12 @@ class DistributedSGD:
                  "skipped_steps": self.skipped_steps, "num_workers": self.num_workers,
                  "failures": len(self.failures)}
         if self.config.backup_workers:
-            stats["contributors"] = list(result.contributors) if result.contributors is not None \
-                else sorted(self._actors.slots)
-            stats["dropped"] = list(result.dropped)
+            if result.contributors is not None:
+                stats["contributors"], stats["dropped"] = result.contributors, result.dropped
+            else:  # one live worker (the others dead, being replaced): its own step
+                stats["contributors"] = sorted(self._actors.slots)
+                stats["dropped"] = [s for s in range(self.config.num_workers)
+                                    if s not in stats["contributors"]]
         return stats
 
     def train(self, num_steps: int | None = None, dataset=None, *, desc: str = "train") -> dict:
