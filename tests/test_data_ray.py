@@ -84,3 +84,17 @@ def test_a_worker_killed_mid_epoch_restarts_the_split(tmp_path):
         for got, want in zip(sgd.get_weights(), weights, strict=True):
             np.testing.assert_array_equal(got, want)
         assert driver_state(sgd) == state
+
+
+def test_one_worker_reads_on_into_the_next_epoch_with_steps_queued_ahead():
+    """One worker runs several steps per call and queues the next call ahead: a
+    call queued before the epoch ended reads on into the next epoch."""
+    ds = ray.data.range(N).map_batches(lambda b: {"x": np.eye(N, dtype=np.float32)[b["id"]]})
+    with dsgd.DistributedSGD(Counter, 1, 1, gpu=False, local_steps_per_call=5) as sgd:
+        reset(sgd)
+        summary = sgd.train(20, dataset=dsgd.Dataset(ds, batch_size=4))
+        trained = np.round(-sgd.get_weights()[0]).astype(int)
+    assert summary["steps"] == 20 and summary["num_samples"] == 80
+    # 12 steps are one epoch (48 rows): every row once, then 32 rows a second time.
+    assert trained.sum() == 80 and set(np.unique(trained)) <= {1, 2}
+    assert (trained == 2).sum() == 32

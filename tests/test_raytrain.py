@@ -2,6 +2,8 @@
 shards, ranks, exact DistributedGradientTape and DistributedOptimizer +
 model.fit, the Result, a SIGKILL restart, and no PS actor left behind."""
 
+import time
+
 import numpy as np
 import pytest
 import ray
@@ -89,6 +91,15 @@ def test_a_dead_ps_is_an_error_naming_it():
     ps = rendezvous_ps(0, 5.0)
     ray.get(ps.ready.remote(), timeout=60)
     ray.kill(ps)
+    # ray.kill is asynchronous: a call made right after it may still run (CI saw the
+    # broadcast answer once). Wait until the actor is gone.
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(ps.ready.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            break
+        time.sleep(0.1)
     ref = ps.broadcast.remote(0, 0, 2, 0, [np.zeros(3)])
     context = {"names": ["dsgd-ps-0-abc"], "timeout_s": 30.0}
     with pytest.raises(DsgdError, match=r"exchange 7: PS actor dsgd-ps-0-abc died .*FailureConfig"):

@@ -241,6 +241,9 @@ def block_free_cpus():
     return blocker
 
 
+# ~10 s: `slow` (keeps the default run under 8 minutes); test_failures covers the
+# elastic decisions in-process.
+@pytest.mark.slow
 def test_elastic_shrinks_when_no_room_and_grows_back(monkeypatch, caplog):
     monkeypatch.setattr(constants, "GROW_CHECK_INTERVAL_S", 0.0)
     caplog.set_level(logging.WARNING, logger="dsgd")

@@ -164,6 +164,9 @@ def test_bad_arguments_fail_before_any_worker():
         dsgd.Trainer(Classifier, use_fp16="int8")
 
 
+# ~11 s: `slow` (keeps the default run under 8 minutes); Tune's own integration is
+# exercised by the tune_mnist example in the slow run as well.
+@pytest.mark.slow
 def test_ray_tune_runs_two_trials(tmp_path):
     from ray import tune
 

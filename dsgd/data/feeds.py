@@ -14,6 +14,9 @@ from dsgd.data.batching import num_rows, split, take_rows
 from dsgd.data.stream import BlockStream
 from dsgd.errors import DsgdError
 
+# A Ray Data worker's step argument without backup workers: the next batch of its split.
+NEXT_BATCH = "next batch"
+
 # Steps' worth of rows whose downloads start ahead of the one being trained.
 PREFETCH_STEPS = 2
 
@@ -37,7 +40,7 @@ class StreamFeed:
     def seek(self, rows: int) -> None:
         self.dataset._seek(rows)
 
-    def loaders(self, num_workers: int, timeout_s: float) -> list:
+    def loaders(self, num_workers: int, timeout_s: float, ahead: int = 0) -> list:
         return [StreamLoader(self.dataset.transform, timeout_s)] * num_workers
 
     def steps_per_epoch(self, num_workers: int) -> int | None:
@@ -108,16 +111,23 @@ class RayDataFeed:
     def __init__(self, dataset):
         self.dataset = dataset
         self._epoch, self._batch = 0, 0
+        # Backup workers (the engine sets it): steps name their batch, so that a worker
+        # that sat steps out skips those batches. Otherwise every worker reads its next
+        # batch, into the next epoch too (a step queued ahead of an epoch's end).
+        self.positional = False
 
-    def loaders(self, num_workers: int, timeout_s: float) -> list:
+    def loaders(self, num_workers: int, timeout_s: float, ahead: int = 0) -> list:
+        """New splits; their first batch is the step `ahead` steps after the next."""
         splits = self.dataset.data.streaming_split(num_workers, equal=True)
-        self._epoch, self._batch = 0, 0
+        self._epoch, self._batch = 0, -ahead
         return [RayDataLoader(s, self.dataset.batch_size, self.dataset.transform) for s in splits]
 
     def steps_per_epoch(self, num_workers: int) -> None:
         return None  # counting rows would run the whole pipeline: an epoch ends when it ends
 
     def step_args(self, num_workers: int, ahead: int, timeout_s: float) -> list:
+        if not self.positional:
+            return [NEXT_BATCH] * num_workers  # not None: None means "use get_batch"
         return [(self._epoch, self._batch + ahead)] * num_workers
 
     def advance(self, num_workers: int) -> None:
@@ -146,22 +156,33 @@ class RayDataLoader:
         self._epoch = -1      # the epoch of the iterator (or the last one ended)
         self._count = 0       # batches read in that epoch
 
-    def batches(self, arg: tuple[int, int], num_devices: int):
+    def batches(self, arg, num_devices: int):
+        if arg == NEXT_BATCH:
+            if self._batches is None:
+                self._start(self._epoch + 1)
+            batch = self._next()
+            return None if batch is None else self._finish(batch, num_devices)
         epoch, number = arg
         if epoch != self._epoch or self._batches is None:
             if epoch == self._epoch:  # asked again after this epoch ended: still ended
                 return None
             while self._batches is not None and self._next() is not None:
                 pass  # the rest of an epoch this worker fell behind in
-            self._batches = iter(self.split_iterator.iter_batches(
-                batch_size=self.batch_size, batch_format="numpy", drop_last=True,
-                prefetch_batches=self.PREFETCH_BATCHES))
-            self._epoch, self._count = epoch, 0
+            self._start(epoch)
         batch = self._next()
         while batch is not None and self._count <= number:
             batch = self._next()  # batches of steps this worker sat out
         if batch is None:
             return None
+        return self._finish(batch, num_devices)
+
+    def _start(self, epoch: int) -> None:
+        self._batches = iter(self.split_iterator.iter_batches(
+            batch_size=self.batch_size, batch_format="numpy", drop_last=True,
+            prefetch_batches=self.PREFETCH_BATCHES))
+        self._epoch, self._count = epoch, 0
+
+    def _finish(self, batch, num_devices: int):
         return finish(batch, self.transform, num_devices,
                       f"batch {self._count} of this worker's Ray Data split in this epoch")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 
 from dsgd.comm.waits import actor_died_errors
+from dsgd.errors import StepTimeoutError
 
 logger = logging.getLogger("dsgd")
 
@@ -34,9 +35,11 @@ class Stragglers:
 
     def __init__(self, backup_workers: int):
         self.backup_workers = backup_workers
-        self._busy: dict[int, tuple] = {}      # id(handle) -> (handle, slot, stream or ref)
+        # id(handle) -> (handle, slot, what frees it: its compute's stream or an ObjectRef,
+        # whether its report's rows are dropped rows to count on arrival)
+        self._busy: dict[int, tuple] = {}
         self._owed: dict[int, list] = {}       # id(handle) -> apply refs not yet checked
-        self._dead: dict[int, int] = {}        # id(handle) -> slot, found dead, not yet removed
+        self._dead: dict[int, tuple] = {}      # id(handle) -> (handle, slot), to replace
         self.dropped_batches: dict[int, int] = {}  # slot -> batches computed or skipped, dropped
         self.dropped_samples: dict[int, int] = {}  # slot -> their rows
 
@@ -51,13 +54,14 @@ class Stragglers:
     # -- late workers ---------------------------------------------------------------------
     def late(self, handle, slot: int, pending, count_rows: bool = False) -> None:
         """`handle` (worker `slot`) has not reported its step's gradient; it is free
-        again once `pending` (its compute's stream, or any ObjectRef) is ready.
-        `count_rows`: its batch is a dropped batch, counted with its rows when its
-        report arrives (get_batch: its rows are not known before)."""
+        again once `pending` (its compute's stream, or any ObjectRef) is ready and
+        the applies it owes by then have run. `count_rows`: its batch is a dropped
+        batch, counted with its rows when its report arrives (get_batch: its rows
+        are not known before)."""
         self._busy[id(handle)] = (handle, slot, pending, count_rows)
 
     def owe(self, handle, ref) -> None:
-        """An apply submitted to a late worker, to check when it next takes part."""
+        """An apply submitted to a late worker, checked before it takes part again."""
         self._owed.setdefault(id(handle), []).append(ref)
 
     def owed(self, handle) -> list:
@@ -71,15 +75,15 @@ class Stragglers:
         return id(handle) in self._dead
 
     def dead(self, handle, slot: int) -> None:
-        self._dead[id(handle)] = slot
+        self._dead[id(handle)] = (handle, slot)
         self._busy.pop(id(handle), None)
         self._owed.pop(id(handle), None)
 
-    def take_dead(self) -> list[int]:
-        """The slots found dead since the last call (to replace)."""
-        slots = sorted(self._dead.values())
+    def take_dead(self) -> list[tuple]:
+        """(handle, slot) of the workers found dead since the last call (to replace)."""
+        dead = sorted(self._dead.values(), key=lambda e: e[1])
         self._dead.clear()
-        return slots
+        return dead
 
     @property
     def late_slots(self) -> list[int]:
@@ -87,9 +91,10 @@ class Stragglers:
 
     def free(self, workers: list, slots: list[int]) -> list[int]:
         """Indices into `workers` of those that may take part in the next step:
-        not late, not dead. A late worker whose report has arrived is free again
-        (a late worker found dead is recorded as dead; an error its late
-        compute raised is raised here)."""
+        not late, not dead. A late worker is free again once its report has
+        arrived and the applies it owes have run; one found dead (or whose owed
+        apply failed: its weights would no longer be the others') is recorded
+        as dead, to be replaced. Does not wait."""
         import ray
 
         if self._busy:
@@ -108,23 +113,49 @@ class Stragglers:
         ids = {id(w) for w in workers}
         return [entry[2] for key, entry in self._busy.items() if key in ids]
 
+    def busy_handles(self, workers: list) -> list:
+        ids = {id(w) for w in workers}
+        return [entry[0] for key, entry in self._busy.items() if key in ids]
+
     def _arrived(self, handle, slot: int, pending, count_rows: bool) -> None:
         import ray
 
         try:
-            ref = next(pending) if isinstance(pending, ray.ObjectRefGenerator) else pending
-            info = ray.get(ref, timeout=10.0)
+            if isinstance(pending, ray.ObjectRefGenerator):
+                info = ray.get(next(pending), timeout=10.0)
+                if count_rows and isinstance(info, dict) and "samples" in info:
+                    self.count_dropped(slot, int(info["samples"]))
+            else:
+                ray.get(pending, timeout=10.0)
         except actor_died_errors():
             logger.warning("worker %d died while late (its gradient had been dropped); it is "
                            "replaced in the background", slot)
             self.dead(handle, slot)
             return
-        if count_rows and isinstance(info, dict) and "samples" in info:
-            self.count_dropped(slot, int(info["samples"]))
+        owed = self._owed.get(id(handle), [])
+        if owed:
+            ready, _ = ray.wait(owed, num_returns=len(owed), timeout=0)
+            if len(ready) < len(owed):
+                # Its report is in, its owed applies are still running: late until the
+                # last of them (Ray runs them in order) has run.
+                self._busy[id(handle)] = (handle, slot, owed[-1], False)
+                return
+            try:
+                ray.get(owed, timeout=10.0)
+            except Exception as e:  # noqa: BLE001 - died, or an apply that failed
+                logger.warning("worker %d: an apply it owed failed (%s: %s); it is replaced in "
+                               "the background", slot, type(e).__name__, str(e)[:200])
+                from dsgd.engine.actors import _kill
 
-    def wait_free(self, timeout_s: float) -> None:
-        """Block until every late worker has reported (at most `timeout_s`): before
-        a step every worker must take part in (the first of a Ray Data epoch)."""
+                _kill(handle)
+                self.dead(handle, slot)
+                return
+            self._owed.pop(id(handle), None)
+
+    def wait_free(self, workers: list, timeout_s: float) -> None:
+        """Block until every late worker has reported and applied what it owes (at
+        most `timeout_s`, then StepTimeoutError naming them): before a step every
+        worker must take part in (the first of a Ray Data epoch)."""
         import time
 
         import ray
@@ -135,6 +166,11 @@ class Stragglers:
             ray.wait(waiting, num_returns=len(waiting),
                      timeout=max(0.001, deadline - time.monotonic()))
             self.free([], [])
+        if self._busy:
+            late = [entry[0] for entry in self._busy.values()]
+            raise StepTimeoutError(f"waiting for late worker(s) {self.late_slots} to begin a "
+                                   f"Ray Data epoch together: no answer in {timeout_s:.1f} s",
+                                   late)
 
     def count_dropped(self, slot: int, samples: int | None) -> None:
         """One batch of worker `slot` dropped from a step; its rows when known."""
@@ -145,6 +181,8 @@ class Stragglers:
     def reset(self) -> None:
         """After a recovery probed every worker (a ping runs after all their queued
         calls): nobody is late any more, the applies owed were run (a worker that
-        failed one was brought to the survivors' state by the recovery)."""
+        failed one was brought to the survivors' state by the recovery), and the
+        dead were handled by it."""
         self._busy.clear()
         self._owed.clear()
+        self._dead.clear()

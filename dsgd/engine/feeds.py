@@ -4,9 +4,12 @@ The engine does not import the data layer: `train(dataset=...)` asks a
 `dsgd.Dataset` for its *feed* (`dataset._feed(devices_per_worker)`) and drives
 it through this protocol (implemented in dsgd/data/feeds.py):
 
-    feed.loaders(num_workers, timeout_s)   one loader per worker (in worker order),
+    feed.loaders(num_workers, timeout_s, ahead)
+                                           one loader per worker (in worker order),
                                            sent to the workers at first use and again
-                                           after workers were replaced or added
+                                           after workers were replaced or added; the
+                                           first step to use them is `ahead` steps
+                                           after the next one
     feed.steps_per_epoch(num_workers)      steps in one epoch, or None (unknown)
     feed.step_args(num_workers, ahead, timeout_s)
                                            one small argument per worker for the step

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
+from dsgd.engine.backups import Stragglers
 from dsgd.engine.feeds import FeedEntry
 from dsgd.engine.recovery import Recovery, first_line
 from dsgd.engine.state import Progress, Topology
@@ -41,7 +42,9 @@ class StepLoop:
                  recovery: Recovery):
         self.config, self.actors, self.topology = config, actors, topology
         self.progress, self.recovery = progress, recovery
-        self.stragglers = recovery.stragglers
+        # Backup workers' late-worker record, shared with Recovery (which resets it).
+        self.stragglers = recovery.stragglers if recovery is not None \
+            else Stragglers(config.backup_workers)
         self._run_ids = itertools.count(1)
 
     def run(self, entry: FeedEntry | None, count: int | None) -> Iterator[StepResult]:
@@ -71,10 +74,13 @@ class StepLoop:
                 if isinstance(e, StepTimeoutError) and not (self.config.replace_hung and e.late):
                     raise
                 workers = len(pending.workers) if pending is not None else 0
+                membership = pending.membership() \
+                    if pending is not None and hasattr(pending, "membership") else {}
                 pending = ahead = None  # both went to actors that may be gone: redone
                 if not self._recover(e):
                     continue  # retry
-                results = [StepResult(None, [{"apply_s": 0.0}], workers)]
+                # Applied before the failure: the mean of the contributors chosen.
+                results = [StepResult(None, [{"apply_s": 0.0}], workers, **membership)]
             except BaseException:
                 # Not an actor failure (a non-finite gradient under "raise" before any
                 # apply, the next step's data failing, a step raising): what is on its
@@ -129,13 +135,15 @@ class StepLoop:
         if entry is None:
             return [None] * len(workers)
         if entry.needs_loaders(self.actors.membership):
-            loaders = entry.feed.loaders(len(workers), self.config.step_timeout_s)
+            if self.stragglers.enabled and hasattr(entry.feed, "positional"):
+                entry.feed.positional = True
+            loaders = entry.feed.loaders(len(workers), self.config.step_timeout_s, ahead)
             refs = [w.attach_data.remote(entry.key, loader) for w, loader in zip(workers, loaders)]
             if self.stragglers.enabled:
                 # Late workers get theirs in order behind their compute; a feed whose
                 # loaders start an epoch together (Ray Data's split) waits for them.
                 if entry.feed.reports_epoch_end:
-                    self.stragglers.wait_free(self.config.step_timeout_s)
+                    self.stragglers.wait_free(workers, self.config.step_timeout_s)
             else:
                 self.actors.wait(refs, workers, "attaching data loaders",
                                  self.config.step_timeout_s)
@@ -171,9 +179,9 @@ class StepLoop:
                                 "before the others': every worker's share must have as many batches")
             if self.stragglers.enabled:
                 # The next epoch's first step starts every worker's share together.
-                self.stragglers.wait_free(self.config.step_timeout_s)
+                self.stragglers.wait_free(self.actors.workers, self.config.step_timeout_s)
             return [step.result(epoch_end=True)]
-        bad = self._nonfinite(infos)
+        bad = self._nonfinite(infos, step.membership().get("contributors"))
         if bad:
             if self.config.on_nonfinite == "raise":
                 raise self._nonfinite_error(self.progress.steps_done + 1, bad, applied=False)
@@ -186,12 +194,15 @@ class StepLoop:
         """Count one step, applied or skipped, and move the data on by the rows of
         the workers it ran on. Returns the NonFiniteError to raise for an applied
         step with a non-finite gradient (one worker, on_nonfinite="raise")."""
-        bad = self._nonfinite(result.infos) if result.infos is not None else []
+        bad = self._nonfinite(result.infos, result.contributors) \
+            if result.infos is not None else []
         if bad and result.skipped:
             logger.warning("step %d skipped: non-finite gradient on %s.%s",
                            self.progress.steps_done + 1,
                            ", ".join(f"worker {w} replica {r}" for w, r in bad), self._fp16_hint())
         self.progress.count(result.skipped)
+        for slot, rows in result.dropped_rows:
+            self.stragglers.count_dropped(slot, rows)
         if entry is not None:
             entry.feed.advance(self.config.num_workers if self.stragglers.enabled
                                else result.workers)
@@ -219,9 +230,12 @@ class StepLoop:
                                [r for info in result.infos for r, ok in enumerate(info["finite"])
                                 if not ok])
 
-    def _nonfinite(self, infos: list[dict]) -> list[tuple[int, int]]:
-        """(worker slot, replica) of every non-finite gradient."""
-        return [(slot, r) for slot, info in zip(self.actors.slots, infos)
+    def _nonfinite(self, infos: list[dict], slots: list[int] | None = None
+                   ) -> list[tuple[int, int]]:
+        """(worker slot, replica) of every non-finite gradient; `slots`: the workers
+        of `infos` (default: every worker, in order)."""
+        slots = self.actors.slots if slots is None else slots
+        return [(slot, r) for slot, info in zip(slots, infos)
                 for r, ok in enumerate(info["finite"]) if not ok]
 
     def _nonfinite_error(self, step: int, bad: list, applied: bool) -> NonFiniteError:

@@ -22,7 +22,7 @@ from dsgd.engine.actors import ActorSet
 from dsgd.engine.backups import Stragglers
 from dsgd.engine.resources import placeable_workers
 from dsgd.engine.state import Progress, Topology
-from dsgd.errors import DsgdError, StepTimeoutError
+from dsgd.errors import DsgdError
 
 logger = logging.getLogger("dsgd")
 
@@ -65,7 +65,7 @@ class Recovery:
         placeable = placeable_workers(self.actors.worker_options, len(dead)) if dead else 0
         steps_done = self.progress.steps_done
         action = failures.decide(failures.Status(
-            workers, dead_ps, steps_done, len(self.progress.failures) + 1,
+            workers, dead_ps, steps_done, len(self.progress.failures) + len(self._joining) + 1,
             self.config.max_failures, self.config.elastic, placeable,
             self.progress.last_checkpoint is not None, between_steps))
         step = steps_done + (0 if between_steps else 1)  # the step it is reported under
@@ -151,20 +151,22 @@ class Recovery:
         """Replacements starting in the background."""
         return len(self._joining)
 
-    def replace_in_background(self, slots: list[int]) -> None:
+    def replace_in_background(self, dead: list[tuple]) -> None:
         """Backup workers: the workers of `slots` died and steps go on without
         them (the first `need` of the survivors make each step). Start their
         replacements without waiting: `admit_joiners`, called before each step,
         lets each in once it has built its replicas and compiled the step. Each
         counts as one failure (max_failures)."""
-        for slot in slots:
-            if slot not in self.actors.slots:
-                continue
+        for handle, slot in dead:
+            if slot not in self.actors.slots or self.actors.worker(slot) is not handle:
+                continue  # already replaced (by a recovery)
             failure = len(self.progress.failures) + len(self._joining) + 1
             if failure > self.config.max_failures:
                 raise DsgdError(f"step {self.progress.steps_done + 1}: worker {slot} died; failure "
                                 f"{failure} exceeds max_failures={self.config.max_failures}")
             self.actors.remove_worker(slot)
+            # New data loaders for the survivors (a Ray Data split must not wait on it).
+            self.actors.next_generation(workers_added=True)
             if self.config.elastic and not placeable_workers(self.actors.worker_options, 1):
                 # No room now: go on without it; maybe_grow adds it back when there is.
                 self.progress.failed({"step": self.progress.steps_done + 1,
@@ -186,7 +188,8 @@ class Recovery:
         worker's full state (queued behind that worker's applies so far, so it is
         the state after the steps submitted until now) and is late until the
         state is in. Does not wait; a replacement that has not started within
-        `start_timeout_s` raises StepTimeoutError."""
+        `start_timeout_s` raises DsgdError. One that dies while starting is
+        started again (counted as a failure)."""
         for slot, joiner in list(self._joining.items()):
             try:
                 self._admit(slot, joiner)
@@ -194,6 +197,15 @@ class Recovery:
                 logger.warning("worker %d's replacement died while starting (%s); starting "
                                "another", slot, first_line(e))
                 self.actors.drop_joining(slot)
+                del self._joining[slot]
+                failure = len(self.progress.failures) + len(self._joining) + 1
+                self.progress.failed({"step": joiner["step"], "error": type(e).__name__,
+                                      "reason": f"worker {slot}'s replacement died starting",
+                                      "recovery_s": time.perf_counter() - joiner["start"]})
+                if failure + 1 > self.config.max_failures:
+                    raise DsgdError(f"worker {slot}'s replacement died while starting; failure "
+                                    f"{failure + 1} exceeds max_failures="
+                                    f"{self.config.max_failures}") from e
                 self._spawn(slot, joiner["start"], joiner["step"])
 
     def _spawn(self, slot: int, start: float, step: int) -> None:
@@ -239,7 +251,7 @@ class Recovery:
         if waited > self.config.start_timeout_s:
             self.actors.drop_joining(slot)
             del self._joining[slot]
-            raise StepTimeoutError(f"worker {slot}'s replacement did not start within "
+            raise DsgdError(f"worker {slot}'s replacement did not start within "
                                    f"start_timeout_s={self.config.start_timeout_s:.0f} s "
                                    f"(cluster resources available: see ray.available_resources())")
 

@@ -316,7 +316,9 @@ class DistributedSGD:
                                  "steps_per_epoch() does not say how long one epoch of their "
                                  "own data (get_batch) is")
         else:
-            steps = entry.feed.steps_per_epoch(self.num_workers)
+            # With backup workers every slot keeps its share of each step's rows.
+            steps = entry.feed.steps_per_epoch(self.config.num_workers if self.config.backup_workers
+                                               else self.num_workers)
             if steps is None:
                 if not entry.feed.reports_epoch_end:
                     raise ValueError("dataset is streaming data of unknown length (a generator "

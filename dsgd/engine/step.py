@@ -51,6 +51,8 @@ class StepResult:
         reported after the contributors were chosen).
     dead: slots found dead during the step (backup workers: replaced in the
         background, the step completed without them).
+    dropped_rows: (slot, rows or None) of each batch left out of the mean, for the
+        loop to count with the step.
     """
 
     infos: list[dict] | None
@@ -63,6 +65,7 @@ class StepResult:
     contributors: list[int] | None = None
     dropped: list[int] = dataclasses.field(default_factory=list)
     dead: list[int] = dataclasses.field(default_factory=list)
+    dropped_rows: list = dataclasses.field(default_factory=list)
 
 
 class ExchangeStep:
@@ -93,6 +96,7 @@ class ExchangeStep:
         self._extra: dict[int, dict] = {}  # index -> report of a worker dropped on time
         self._apply_refs: list | None = None  # submitted applies, not yet waited for
         self._apply_owners: list = []
+        self._dropped_rows: list[tuple] = []  # (slot, rows or None) left out of the mean
 
     def time_left(self) -> float:
         return max(0.001, self.config.step_timeout_s - (time.perf_counter() - self.start))
@@ -206,6 +210,14 @@ class ExchangeStep:
             ray.wait(busy, num_returns=1, timeout=self.time_left())
 
     def _dead_error(self) -> BaseException:
+        """Too few workers left for the step: the death (recovered like any), or,
+        when late workers never became free, a StepTimeoutError naming them."""
+        late = self.stragglers.busy_handles(self.workers)
+        if late:
+            return StepTimeoutError(
+                f"{self.label}: fewer than {self.need} workers could compute the step in "
+                f"{self.config.step_timeout_s:.1f} s; late: "
+                f"{', '.join(sorted(self.actors.name(w) for w in late))}", late)
         error = getattr(self, "_died_error", None)
         if error is not None:
             return error
@@ -218,11 +230,18 @@ class ExchangeStep:
         return StepResult(self.reports(), applied, len(self.workers),
                           **self._membership(), **flags)
 
+    def membership(self) -> dict:
+        """Backup workers: the StepResult fields naming who made the step's mean
+        ({} before the contributors were chosen, or without backup workers)."""
+        if not self.stragglers.enabled or self._infos is None:
+            return {}
+        return self._membership()
+
     def _membership(self) -> dict:
         if not self.stragglers.enabled:
             return {}
         contributors = [self.slots[k] for k in self._chosen]
-        return {"contributors": contributors,
+        return {"contributors": contributors, "dropped_rows": list(self._dropped_rows),
                 "dropped": [s for s in sorted(set(range(self.config.num_workers)) | set(self.slots))
                             if s not in contributors],
                 "dead": [self.slots[k] for k in self._dead]}
@@ -276,26 +295,33 @@ class ExchangeStep:
 
     def _count_dropped(self) -> None:
         """Backup workers: one dropped batch for every worker left out of this
-        step that computed one, or, with a dataset, whose share of rows it skips,
-        with its rows. A late worker's get_batch batch is counted when its report
-        arrives (its rows are not known before)."""
+        step that computed one, or, with a dataset, whose share of rows it skips
+        (slots missing from the set too), with its rows; counted by the loop when
+        it counts the step. A late worker's get_batch batch is counted when its
+        report arrives (its rows are not known before)."""
         if not self.stragglers.enabled:
             return
         chosen, running = set(self._chosen), set(self._running)
         share = self._infos[0].get("samples", 0) if self._infos else 0
+        dataset = any(d is not None for d in self.data)
+        rows = []
         for k, slot in enumerate(self.slots):
             if k in chosen:
                 continue
             if k in self._extra:
-                self.stragglers.count_dropped(slot, self._extra[k].get("samples", 0))
+                rows.append((slot, self._extra[k].get("samples", 0)))
             elif k in self._late:
                 if self.data[k] is not None:  # get_batch: counted when its report arrives
-                    self.stragglers.count_dropped(slot, share)
+                    rows.append((slot, share))
             elif k not in running or k in self._dead:
                 if self.data[k] is not None:  # a dataset: its share of rows is skipped
-                    self.stragglers.count_dropped(slot, share)
+                    rows.append((slot, share))
                 elif k in self._dead:
-                    self.stragglers.count_dropped(slot, None)
+                    rows.append((slot, None))
+        if dataset:  # slots missing from the set (being replaced, elastic) skip theirs too
+            rows += [(slot, share) for slot in range(self.config.num_workers)
+                     if slot not in self.slots]
+        self._dropped_rows = rows
 
     @property
     def applies_pending(self) -> bool:
@@ -332,6 +358,15 @@ class LocalSteps:
     def size(self) -> int:
         return len(self.data)
 
+    def _membership(self) -> dict:
+        """Backup workers with one live worker (the others being replaced): its own
+        steps, the others' slots dropped."""
+        if not self.config.backup_workers:
+            return {}
+        slot = self.actors.slots[0]
+        return {"contributors": [slot],
+                "dropped": [s for s in range(self.config.num_workers) if s != slot]}
+
     def submit(self) -> LocalSteps:
         self._ref = self.workers[0].local_steps.remote(self.data, self.run_id)
         return self
@@ -360,7 +395,8 @@ class LocalSteps:
                 results.append(StepResult(None, [], 1, error=info["error"]))
             else:
                 results.append(StepResult([info], [{"apply_s": 0.0, "step_s": step_s}], 1,
-                                          skipped=not info["applied"], step_s=step_s))
+                                          skipped=not info["applied"], step_s=step_s,
+                                          **self._membership()))
         return results
 
 
