@@ -86,6 +86,8 @@ def test_a_worker_killed_mid_epoch_restarts_the_split(tmp_path):
         assert driver_state(sgd) == state
 
 
+# ~8 s: `slow` (the default run's time budget).
+@pytest.mark.slow
 def test_one_worker_reads_on_into_the_next_epoch_with_steps_queued_ahead():
     """One worker runs several steps per call and queues the next call ahead: a
     call queued before the epoch ended reads on into the next epoch."""

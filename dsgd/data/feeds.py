@@ -111,10 +111,14 @@ class RayDataFeed:
     def __init__(self, dataset):
         self.dataset = dataset
         self._epoch, self._batch = 0, 0
-        # Backup workers (the engine sets it): steps name their batch, so that a worker
+        # Backup workers (use_step_positions): steps name their batch, so that a worker
         # that sat steps out skips those batches. Otherwise every worker reads its next
         # batch, into the next epoch too (a step queued ahead of an epoch's end).
         self.positional = False
+
+    def use_step_positions(self) -> None:
+        """Steps name their batch (epoch, number) from now on (backup workers)."""
+        self.positional = True
 
     def loaders(self, num_workers: int, timeout_s: float, ahead: int = 0) -> list:
         """New splits; their first batch is the step `ahead` steps after the next."""

@@ -19,9 +19,10 @@ has it replaced in the background (Recovery.replace_in_background).
 from __future__ import annotations
 
 import logging
+import time
 
 from dsgd.comm.waits import actor_died_errors
-from dsgd.errors import StepTimeoutError
+from dsgd.errors import DsgdError, StepTimeoutError
 
 logger = logging.getLogger("dsgd")
 
@@ -33,8 +34,11 @@ class Stragglers:
         backup_workers: b; 0 turns all of this off (every step waits for every worker).
     """
 
-    def __init__(self, backup_workers: int):
+    def __init__(self, backup_workers: int, step_timeout_s: float = float("inf"),
+                 replace_hung: bool = False):
         self.backup_workers = backup_workers
+        self.step_timeout_s, self.replace_hung = step_timeout_s, replace_hung
+        self._since: dict[int, float] = {}     # id(handle) -> when it became late
         # id(handle) -> (handle, slot, what frees it: its compute's stream or an ObjectRef,
         # whether its report's rows are dropped rows to count on arrival)
         self._busy: dict[int, tuple] = {}
@@ -59,6 +63,7 @@ class Stragglers:
         batch, counted with its rows when its report arrives (get_batch: its rows
         are not known before)."""
         self._busy[id(handle)] = (handle, slot, pending, count_rows)
+        self._since.setdefault(id(handle), time.monotonic())
 
     def owe(self, handle, ref) -> None:
         """An apply submitted to a late worker, checked before it takes part again."""
@@ -77,6 +82,7 @@ class Stragglers:
     def dead(self, handle, slot: int) -> None:
         self._dead[id(handle)] = (handle, slot)
         self._busy.pop(id(handle), None)
+        self._since.pop(id(handle), None)
         self._owed.pop(id(handle), None)
 
     def take_dead(self) -> list[tuple]:
@@ -105,8 +111,30 @@ class Stragglers:
                 if id(pending) in ready_ids:
                     del self._busy[key]
                     self._arrived(handle, slot, pending, count_rows)
+            self._hung()
+        for key in [key for key in self._since if key not in self._busy]:
+            del self._since[key]
         return [k for k, w in enumerate(workers)
                 if id(w) not in self._busy and id(w) not in self._dead]
+
+    def _hung(self) -> None:
+        """A worker late for longer than step_timeout_s is hung: with replace_hung
+        it is killed and replaced in the background (the applies it owes would
+        pile up in the object store); without, DsgdError names it."""
+        now = time.monotonic()
+        for key, (handle, slot, _, _) in list(self._busy.items()):
+            if now - self._since.get(key, now) <= self.step_timeout_s:
+                continue
+            if not self.replace_hung:
+                raise DsgdError(f"worker {slot} has been late for more than step_timeout_s="
+                                f"{self.step_timeout_s:.0f} s (hung?); pass replace_hung=True "
+                                "to replace such a worker in the background")
+            logger.warning("worker %d late for more than %.0f s: killing it to replace it in "
+                           "the background", slot, self.step_timeout_s)
+            from dsgd.engine.actors import _kill
+
+            _kill(handle)
+            self.dead(handle, slot)
 
     def busy_objects(self, workers: list) -> list:
         """What frees each late worker among `workers` (for ray.wait)."""
@@ -186,3 +214,4 @@ class Stragglers:
         self._busy.clear()
         self._owed.clear()
         self._dead.clear()
+        self._since.clear()

@@ -18,6 +18,9 @@ it through this protocol (implemented in dsgd/data/feeds.py):
     feed.advance(num_workers)              the next step was completed (or skipped)
                                            on that many workers
     feed.epoch_ended()                     a step found the data's epoch ended
+    feed.use_step_positions()              (optional; backup workers) steps name their
+                                           batch, so that a worker that sat steps out
+                                           skips those batches
     feed.position                          rows consumed so far (None: not tracked)
     feed.seek(rows)                        continue from row `rows` (checkpoint restore)
     feed.reports_epoch_end                 True: the loaders tell when an epoch ends

@@ -135,8 +135,8 @@ class StepLoop:
         if entry is None:
             return [None] * len(workers)
         if entry.needs_loaders(self.actors.membership):
-            if self.stragglers.enabled and hasattr(entry.feed, "positional"):
-                entry.feed.positional = True
+            if self.stragglers.enabled and hasattr(entry.feed, "use_step_positions"):
+                entry.feed.use_step_positions()
             loaders = entry.feed.loaders(len(workers), self.config.step_timeout_s, ahead)
             refs = [w.attach_data.remote(entry.key, loader) for w, loader in zip(workers, loaders)]
             if self.stragglers.enabled:

@@ -152,7 +152,8 @@ class DistributedSGD:
             raise
         self._recovery = Recovery(config, self._actors, self._topology, self._progress,
                                   self.restore_checkpoint, self.on_workers_changed,
-                                  Stragglers(config.backup_workers))
+                                  Stragglers(config.backup_workers, config.step_timeout_s,
+                                             config.replace_hung))
         self._loop = StepLoop(config, self._actors, self._topology, self._progress,
                               self._recovery)
 
