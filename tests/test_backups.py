@@ -254,6 +254,9 @@ class KillFrom(tiny.StepKeyedModel):
         return super().get_batch()
 
 
+# ~19 s (a 3-worker start, then a replacement's): `slow`, which CI runs too; the
+# default run's budget keeps the straggler test above.
+@pytest.mark.slow
 def test_a_worker_killed_mid_run_costs_no_step_a_wait_for_its_replacement(tmp_path):
     """Worker 2 SIGKILLs itself reading a batch (step >= 3). The steps go on
     with workers 0 and 1 while its replacement starts (seconds: TensorFlow's
@@ -380,7 +383,7 @@ class HangsOnce(tiny.StepKeyedModel):
 @pytest.mark.slow
 def test_a_worker_late_past_the_step_timeout_is_replaced_in_the_background(tmp_path):
     marker = str(tmp_path / "hung")
-    with make(lambda w, d: HangsOnce(w, d, marker), step_timeout_s=4,
+    with make(lambda w, d: HangsOnce(w, d, marker), step_timeout_s=8,
               replace_hung=True) as sgd:
         stats, deadline = [], time.monotonic() + 120
         while not sgd.failures and time.monotonic() < deadline:

@@ -149,9 +149,15 @@ class ExchangeStep:
         while len(arrived) < self.need:
             if len(arrived) + len(pending) < self.need and not self._recruit(pending, streams):
                 raise self._dead_error()
+            # A late worker that becomes free while the step still waits is given it too
+            # (the first `need` reports still make the mean): a slow or hung worker of a
+            # step with no spare does not set its pace when a late one can stand in.
+            self._recruit(pending, streams, wait=False)
+            busy = self.stragglers.busy_objects(self.workers)
             waiting = [streams[key] for key in pending]
-            ready, _ = ray.wait(waiting, num_returns=1,
+            ready, _ = ray.wait(waiting + busy, num_returns=1,
                                 timeout=min(self.time_left(), self.config.stall_report_s))
+            ready = [r for r in ready if id(r) in pending]
             if not ready:
                 if self.time_left() <= 0.001:
                     late = [self.workers[k] for k in pending.values()]
@@ -188,9 +194,10 @@ class ExchangeStep:
                                  count_rows=self.data[k] is None)
         self._infos = [arrived[k] for k in self._chosen]
 
-    def _recruit(self, pending: dict, streams: dict) -> bool:
-        """Give the step to late workers as they become free (waits for one, at
-        most what is left of the step's time). False when no worker is left to ask."""
+    def _recruit(self, pending: dict, streams: dict, wait: bool = True) -> bool:
+        """Give the step to late workers as they become free (with `wait`, waits
+        for one, at most what is left of the step's time). False when none was
+        given it (and, with `wait`, no worker is left to ask)."""
         import ray
 
         while True:
@@ -205,7 +212,7 @@ class ExchangeStep:
                     pending[id(stream)], streams[id(stream)] = k, stream
                 return True
             busy = self.stragglers.busy_objects(self.workers)
-            if not busy or self.time_left() <= 0.001:
+            if not wait or not busy or self.time_left() <= 0.001:
                 return False
             ray.wait(busy, num_returns=1, timeout=self.time_left())
 
