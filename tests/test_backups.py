@@ -50,11 +50,14 @@ def make(creator, num_workers=3, backup_workers=1, **kwargs):
                                backup_workers=backup_workers, **kwargs)
 
 
-def replay(contributor_sets: list[list[int]], optimizer="sgdm") -> list[np.ndarray]:
+def replay(contributor_sets: list[list[int]], optimizer="sgdm", devices: int = 1
+           ) -> list[np.ndarray]:
     """One process: step t applies the mean over the recorded contributors w of
-    the gradient on make_batch(w, t), from worker 0's initial weights. Compiled,
-    as the workers' steps are (eager and graph gradients differ in the last bit,
-    and over hundreds of steps such differences grow past 1e-6)."""
+    their gradient on step t's batches (make_batch(w * devices + d, t), averaged
+    over the worker's `devices` replicas, as its local allreduce does), from
+    worker 0's initial weights. Compiled, as the workers' steps are (eager and
+    graph gradients differ in the last bit, and over hundreds of steps such
+    differences grow past 1e-6)."""
     import tensorflow as tf
 
     model = tiny.make_keras_model(0)  # replica 0's initialisation, broadcast at start
@@ -70,12 +73,15 @@ def replay(contributor_sets: list[list[int]], optimizer="sgdm") -> list[np.ndarr
     def apply(mean):
         opt.apply_gradients(zip(mean, model.trainable_variables))
 
+    def mean(grads):
+        # dsgd's kernel: the gradients summed in order, times 1/n.
+        if len(grads) == 1:
+            return grads[0]
+        return [tf.add_n([g[k] for g in grads]) * (1.0 / len(grads)) for k in range(len(grads[0]))]
+
     for t, contributors in enumerate(contributor_sets):
-        grads = [gradient(*tiny.make_batch(w, t, BATCH)) for w in contributors]
-        # dsgd's kernel: the contributors' gradients summed in worker order, times 1/n.
-        mean = [tf.add_n([g[k] for g in grads]) * (1.0 / len(grads)) if len(grads) > 1
-                else grads[0][k] for k in range(len(grads[0]))]
-        apply(mean)
+        apply(mean([mean([gradient(*tiny.make_batch(w * devices + d, t, BATCH))
+                          for d in range(devices)]) for w in contributors]))
     return [v.numpy() for v in model.trainable_variables]
 
 
@@ -309,35 +315,6 @@ def test_trainer_reports_dropped_batches_and_validates_unaffected():
     assert sum(r["dropped_batches"] for r in per_worker) == steps
 
 
-def replay_devices(contributor_sets: list[list[int]], devices: int) -> list[np.ndarray]:
-    """`replay` for workers of `devices` replicas: a contributor's gradient is the
-    mean over its replicas (replica w * devices + d), as its local allreduce makes it."""
-    import tensorflow as tf
-
-    model = tiny.make_keras_model(0)
-    opt = tiny.make_optimizer("sgdm")
-
-    @tf.function
-    def gradient(x, y):
-        with tf.GradientTape() as tape:
-            loss = tiny.mse(model, x, y)
-        return tape.gradient(loss, model.trainable_variables)
-
-    @tf.function
-    def apply(mean):
-        opt.apply_gradients(zip(mean, model.trainable_variables))
-
-    for t, contributors in enumerate(contributor_sets):
-        per_worker = []
-        for w in contributors:
-            grads = [gradient(*tiny.make_batch(w * devices + d, t, BATCH)) for d in range(devices)]
-            per_worker.append([tf.add_n([g[k] for g in grads]) * (1.0 / devices)
-                               for k in range(len(grads[0]))])
-        apply([tf.add_n([g[k] for g in per_worker]) * (1.0 / len(per_worker))
-               if len(per_worker) > 1 else per_worker[0][k] for k in range(len(per_worker[0]))])
-    return [v.numpy() for v in model.trainable_variables]
-
-
 class DeviceStraggler(tiny.StepKeyedModel):
     """devices_per_worker=2; worker 1's replicas pause 0.4 s in every batch."""
 
@@ -360,7 +337,7 @@ def test_devices_per_worker_contribute_all_replicas_or_none_and_elastic():
         weights = assert_identical_replicas(sgd)
     assert all(len(s["contributors"]) == 1 for s in stats)
     assert sum(s["contributors"] == [0] for s in stats) >= 5
-    for a, b in zip(weights, replay_devices([s["contributors"] for s in stats], 2)):
+    for a, b in zip(weights, replay([s["contributors"] for s in stats], devices=2)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
