@@ -184,8 +184,6 @@ class Stragglers:
         """Block until every late worker has reported and applied what it owes (at
         most `timeout_s`, then StepTimeoutError naming them): before a step every
         worker must take part in (the first of a Ray Data epoch)."""
-        import time
-
         import ray
 
         deadline = time.monotonic() + timeout_s
