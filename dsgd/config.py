@@ -88,6 +88,9 @@ class Config:
         if self.worker_init is not None and not callable(self.worker_init):
             raise TypeError(f"worker_init must be callable or None, got "
                             f"{type(self.worker_init).__name__}")
+        check_picklable("model_creator", self.model_creator, "Ray sends it to every worker")
+        if self.worker_init is not None:
+            check_picklable("worker_init", self.worker_init, "Ray sends it to every worker")
         _bool("apply_per_group", self.apply_per_group)
         _positive_int("local_steps_per_call", self.local_steps_per_call)
         if isinstance(self.backup_workers, bool) \
@@ -119,6 +122,64 @@ class Config:
     def uses_ps(self) -> bool:
         """Whether PS actors exchange the gradients: strategy "ps", 2+ workers."""
         return self.strategy == "ps" and self.num_workers > 1
+
+
+def check_picklable(name: str, value, why: str) -> None:
+    """TypeError naming argument `name` unless Ray can pickle `value` (as it will
+    to ship it: `why`), and, where it can tell, the part of `value` that fails
+    (a closure variable, a global, an attribute). Pickles it once, in this process."""
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.dumps(value)
+    except Exception as e:  # noqa: BLE001 - any failure to pickle, reported with its cause
+        culprit = _unpicklable_part(value, name, 3)
+        where = f" ({culprit} cannot be)" if culprit and culprit != name else ""
+        raise TypeError(f"{name} cannot be pickled{where}: {type(e).__name__}: {e}. {why}; "
+                        f"build such objects inside it instead of capturing them") from None
+
+
+def _unpicklable_part(value, path: str, depth: int) -> str | None:
+    """The path of the deepest part of `value` that fails to pickle (searching
+    closure variables, globals a function reads, attributes, items), or None."""
+    import inspect
+
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.dumps(value)
+        return None
+    except Exception:  # noqa: BLE001
+        pass
+    if depth == 0:
+        return path
+    parts: list[tuple[str, object]] = []
+    if inspect.isfunction(value):
+        code = value.__code__
+        cells = value.__closure__ or ()
+        parts += [(f"{path}'s closure variable {n!r}", c.cell_contents)
+                  for n, c in zip(code.co_freevars, cells) if _filled(c)]
+        parts += [(f"{path}'s global {n!r}", value.__globals__[n]) for n in code.co_names
+                  if n in value.__globals__ and not inspect.ismodule(value.__globals__[n])]
+    elif isinstance(value, dict):
+        parts += [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        parts += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    elif hasattr(value, "__dict__") and not isinstance(value, type):
+        parts += [(f"{path}.{k}", v) for k, v in vars(value).items()]
+    for part_path, part in parts:
+        found = _unpicklable_part(part, part_path, depth - 1)
+        if found:
+            return found
+    return path
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+        return True
+    except ValueError:  # an empty cell
+        return False
 
 
 def _positive_int(name: str, value) -> None:

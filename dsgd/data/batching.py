@@ -23,11 +23,7 @@ def map_leaves(fn: Callable, nest: Any) -> Any:
 
 
 def leaves(nest: Any) -> list:
-    if isinstance(nest, dict):
-        return [x for k in nest for x in leaves(nest[k])]
-    if isinstance(nest, (tuple, list)):
-        return [x for v in nest for x in leaves(v)]
-    return [nest]
+    return [leaf for _, leaf in _paths(nest, ())]
 
 
 def structure(nest: Any):
@@ -47,7 +43,9 @@ def stack(examples: Sequence[Any], describe: Callable[[int], str]) -> Any:
     for i, example in enumerate(examples):
         if structure(example) != first:
             raise ValueError(f"{describe(i)} has structure {_show(example)}, but {describe(0)} "
-                             f"has {_show(examples[0])}: every example must have the same one")
+                             f"has {_show(examples[0])}: every example must have the same one "
+                             "(tuples, lists and dicts are nests of arrays: give variable-length "
+                             "data as padded arrays)")
 
     def stack_leaf(path: tuple):
         values = [_at(e, path) for e in examples]
@@ -59,6 +57,50 @@ def stack(examples: Sequence[Any], describe: Callable[[int], str]) -> Any:
                              f"stacked at position {list(path)}: shapes {shapes[:4]} ({e})") from None
 
     return _build(examples[0], (), stack_leaf)
+
+
+# Array dtypes a batch may hold: numbers and booleans (numpy kinds).
+NUMERIC_KINDS = {"b": "bool", "i": "int", "u": "uint", "f": "float", "c": "complex"}
+
+
+def check_numeric(batch: Any) -> None:
+    """TypeError unless every leaf of the batch is an array (anything with a
+    numpy-style `dtype` and `shape`, e.g. numpy or TensorFlow) of at least one
+    dimension (rows) with a numeric or boolean dtype; names the position, the
+    dtype and a sample value. Strings, Python objects and ragged data fail here,
+    before TensorFlow sees them."""
+    for path, leaf in _paths(batch, ()):
+        dtype = getattr(leaf, "dtype", None)
+        shape = getattr(leaf, "shape", None)
+        if dtype is None or shape is None:
+            raise TypeError(f"{_position(path)} is a {type(leaf).__name__} "
+                            f"({_sample(leaf)}), not an array: batches must be (tuples/lists/"
+                            "dicts of) numpy arrays with one row per example")
+        try:
+            kind = np.dtype(getattr(dtype, "as_numpy_dtype", dtype)).kind
+        except TypeError:
+            kind = "?"
+        if kind not in NUMERIC_KINDS:
+            first = leaf.flat[0] if isinstance(leaf, np.ndarray) and leaf.size else None
+            first = first.item() if isinstance(first, np.generic) else first
+            raise TypeError(f"{_position(path)} has dtype {dtype} ({_sample(first)}), not "
+                            f"numbers: batches must hold {'/'.join(NUMERIC_KINDS.values())} "
+                            "arrays (convert strings, objects and ragged data to padded "
+                            "numeric arrays in download_func or transform)")
+        if len(shape) == 0:
+            raise TypeError(f"{_position(path)} is a scalar ({_sample(leaf)}), not an array "
+                            "with one row per example")
+
+
+def signature(batch: Any) -> tuple:
+    """A batch's structure and every array's shape past the rows: batches that
+    can be concatenated have the same signature."""
+    return structure(batch), tuple(tuple(np.shape(leaf)[1:]) for leaf in leaves(batch))
+
+
+def show_signature(sig: tuple) -> str:
+    """`signature` for messages: the shape of one example per array."""
+    return ", ".join(str(s) for s in sig[1])[:200]
 
 
 def num_rows(batch: Any) -> int:
@@ -87,6 +129,27 @@ def split(batch: Any, parts: int) -> list:
         raise ValueError(f"a batch of {rows} rows does not split evenly among {parts} replicas")
     size = rows // parts
     return [map_leaves(lambda a, k=k: a[k * size:(k + 1) * size], batch) for k in range(parts)]
+
+
+def _paths(nest: Any, path: tuple):
+    """(path, array) of every array of a nest."""
+    if isinstance(nest, dict):
+        for k, v in nest.items():
+            yield from _paths(v, path + (k,))
+    elif isinstance(nest, (tuple, list)):
+        for i, v in enumerate(nest):
+            yield from _paths(v, path + (i,))
+    else:
+        yield path, nest
+
+
+def _position(path: tuple) -> str:
+    return f"its entry at position {list(path)}" if path else "it"
+
+
+def _sample(value: Any) -> str:
+    text = repr(value)
+    return "e.g. " + (text if len(text) <= 40 else text[:37] + "...")
 
 
 def _at(nest: Any, path: tuple) -> Any:

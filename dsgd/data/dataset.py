@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from dsgd import constants
+from dsgd.config import check_picklable
 
 
 class Dataset:
@@ -43,8 +44,14 @@ class Dataset:
     numpy columns. See README "Data" for sharding, epochs and failures.
 
     Raises, before any Ray work: TypeError for a non-iterable `data` or a
-    non-callable function, ValueError for empty data or a non-positive
-    `batch_size`/`max_concurrency`.
+    non-callable or unpicklable function, ValueError for empty data or a
+    non-positive `batch_size`/`max_concurrency`. At the first batch that needs
+    it (in `train`): ValueError for data shorter than one step (it would
+    repeat rows within the step; a `ray.data.Dataset` that is empty or has
+    fewer rows than one step), examples whose structure or shapes differ (in
+    one batch, or between blocks of downloaded examples), and a `DsgdError`
+    naming the rows for a batch (after `transform`) that is not numeric
+    arrays (strings, objects) or whose number of rows `transform` changed.
     """
 
     def __init__(self, data: Iterable | Any, *, download_func: Callable | None = None,
@@ -56,9 +63,12 @@ class Dataset:
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise TypeError(f"seed must be an int, got {seed!r}")
         _positive_int("max_concurrency", max_concurrency)
-        for name, fn in (("download_func", download_func), ("transform", transform)):
+        for name, fn, why in (("download_func", download_func, "Ray sends it to the download "
+                               "tasks"), ("transform", transform, "Ray sends it to every worker")):
             if fn is not None and not callable(fn):
                 raise TypeError(f"{name} must be callable or None, got {type(fn).__name__}")
+            if fn is not None:
+                check_picklable(name, fn, why)
         self.download_func, self.transform = download_func, transform
         self.max_concurrency, self.batch_size = int(max_concurrency), int(batch_size)
         self.position = 0  # rows of a Python iterable's stream consumed by train()

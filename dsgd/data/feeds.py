@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from dsgd.data.batching import num_rows, split, take_rows
+from dsgd.data.batching import check_numeric, num_rows, split, take_rows
 from dsgd.data.stream import BlockStream
 from dsgd.errors import DsgdError
 
@@ -52,6 +52,12 @@ class StreamFeed:
         b = self.dataset.batch_size
         rows = num_workers * b
         start = self.dataset.position + ahead * rows
+        self.stream.spans(start, rows)  # reads a stream far enough to tell if it is shorter
+        if self.stream.length is not None and self.stream.length < rows:
+            raise ValueError(f"{self.dataset!r} has {self.stream.length} item(s), fewer than one "
+                             f"step takes ({num_workers} worker(s) x batch_size={b} = {rows} "
+                             "rows): the step would repeat rows. Use a smaller batch_size, or "
+                             "fewer workers, or more data")
         refs = self.stream.ready(start, rows, PREFETCH_STEPS * rows, timeout_s)
         args = []
         for w in range(num_workers):
@@ -202,14 +208,26 @@ class RayDataLoader:
 
 
 def finish(batch, transform: Callable | None, num_devices: int, where: str):
-    """transform(batch), then one batch per replica, and the worker batch's rows."""
+    """transform(batch), then one batch per replica, and the worker batch's rows.
+    DsgdError naming `where` if the transform raises or changes the number of
+    rows, or the batch is not numeric arrays (checked before TensorFlow sees it)."""
+    rows_in = None
     if transform is not None:
+        rows_in = num_rows(batch)
         try:
             batch = transform(batch)
         except Exception as e:
             raise DsgdError(f"transform raised on {where}: {type(e).__name__}: {e}") from e
+    what = f"the batch of {where}{' after transform' if transform else ''}"
     try:
+        check_numeric(batch)
         rows = num_rows(batch)
-        return split(batch, num_devices), rows
     except (ValueError, TypeError) as e:
-        raise DsgdError(f"the batch of {where}{' after transform' if transform else ''}: {e}") from e
+        raise DsgdError(f"{what}: {e}") from None
+    if rows_in is not None and rows != rows_in:
+        raise DsgdError(f"transform changed the number of rows of {where} from {rows_in} to "
+                        f"{rows}: it must return one row per row it is given")
+    try:
+        return split(batch, num_devices), rows
+    except ValueError as e:
+        raise DsgdError(f"{what}: {e}") from None

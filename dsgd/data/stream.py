@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dsgd.data.batching import stack
+from dsgd.data.batching import show_signature, signature, stack
 from dsgd.errors import DsgdError, StepTimeoutError
 
 _REMOTE: dict = {}
@@ -34,7 +34,7 @@ _REMOTE: dict = {}
 def _download_block(download_func, items: list, indices: list[int]):
     """(Ray task) `download_func` on each item in turn, stacked into one block;
     `indices` are the items' positions in the data (for messages). Returns
-    (number of examples, block)."""
+    ((number of examples, the block's signature), block)."""
     examples = []
     for index, item in zip(indices, items):
         try:
@@ -42,7 +42,8 @@ def _download_block(download_func, items: list, indices: list[int]):
         except Exception as e:
             raise DsgdError(f"download_func raised on item {index} "
                             f"({_short(item)}): {type(e).__name__}: {e}") from e
-    return len(examples), stack(examples, lambda i: f"item {indices[i]} ({_short(items[i])})")
+    block = stack(examples, lambda i: f"item {indices[i]} ({_short(items[i])})")
+    return (len(examples), signature(block)), block
 
 
 def _remote_download():
@@ -85,6 +86,7 @@ class BlockStream:
         self._pending: dict[int, tuple] = {}  # block index -> (count ref, block ref)
         self._failed: dict[int, BaseException] = {}  # downloads that raised, by block
         self._func_ref = None
+        self._signature: tuple | None = None  # (block, signature) of the first block made
         self.downloaded_items = 0
 
     # -- positions ------------------------------------------------------------------
@@ -184,8 +186,8 @@ class BlockStream:
             if self.download_func is None:
                 import ray
 
-                self.blocks[block] = ray.put(stack(items, lambda i: f"item {indices[i]} "
-                                                                    f"({_short(items[i])})"))
+                examples = stack(items, lambda i: f"item {indices[i]} ({_short(items[i])})")
+                self._made(block, signature(examples), ray.put(examples))
                 continue
             if len(self._pending) >= self.max_concurrency:
                 return
@@ -208,7 +210,7 @@ class BlockStream:
         for ref in done:
             block = counts[ref]
             try:
-                self.downloaded_items += ray.get(ref)
+                count, block_signature = ray.get(ref)
             except Exception as e:  # noqa: BLE001 - kept, raised when the block is needed
                 try:  # the block failed too: read it, so Ray does not log it as unhandled
                     ray.get(self._pending.pop(block)[1], timeout=timeout_s)
@@ -216,7 +218,30 @@ class BlockStream:
                     pass
                 self._failed[block] = e
                 continue
-            self.blocks[block] = self._pending.pop(block)[1]
+            self.downloaded_items += count
+            self._made(block, block_signature, self._pending.pop(block)[1])
+
+    def _made(self, block: int, block_signature: tuple, ref) -> None:
+        """Keep a block made; one whose examples differ in structure or shape from
+        the first block's fails (raised when it is needed): the two could never
+        be concatenated into one batch, or would feed the model another shape."""
+        if self._signature is None:
+            self._signature = (block, block_signature)
+        first, first_signature = self._signature
+        if block_signature != first_signature:
+            made_by = "download_func returned" if self.download_func else "the data holds"
+            self._failed[block] = ValueError(
+                f"{made_by} examples of different shapes: items {self._items_text(block)} "
+                f"have arrays of shape {show_signature(block_signature)} per example, items "
+                f"{self._items_text(first)} {show_signature(first_signature)}: every example "
+                "must have the same structure and shapes (pad variable-length data)")
+            return
+        self.blocks[block] = ref
+
+    def _items_text(self, block: int) -> str:
+        first, last = self._item_range(block)
+        return f"{first}..{last}" if self.shuffle_seed is None else \
+            f"{first}..{last} of the shuffled order"
 
     def _item_range(self, block: int) -> tuple[int, int]:
         """First and last position of a block's items (in the shuffled order, if any)."""

@@ -49,7 +49,7 @@ def train(loop: StepLoop, entry: FeedEntry | None, num_steps: int | None, desc: 
                 if until_epoch_end and tally.steps:
                     break
                 if ended_at == tally.steps:
-                    raise ValueError(f"{entry.dataset!r} has fewer rows than one step needs "
+                    raise ValueError(f"{entry.dataset!r} is empty or has fewer rows than one step needs "
                                      f"({one_step_rows})")
                 ended_at = tally.steps
                 continue  # the next step starts the next epoch

@@ -49,14 +49,23 @@ class TrainingOperator:
         Keras loss object, name or callable `loss(y_true, y_pred)`) and Keras
         metrics reported by validation as `val_<name>`. Returns (models,
         optimizers) shaped as given; with `use_fp16=True` the optimizers are
-        wrapped in `keras.optimizers.LossScaleOptimizer`."""
+        wrapped in `keras.optimizers.LossScaleOptimizer`. Call it once, in
+        `setup`: a second call is a RuntimeError; a wrong type a TypeError or
+        ValueError naming the argument (and nothing is registered)."""
         import keras
 
+        if self._registered:
+            raise RuntimeError(f"{type(self).__name__}.register was called twice: call it once "
+                               "in setup, with every model and optimizer (models=(a, b), "
+                               "optimizers=(opt_a, opt_b))")
         single_model = not isinstance(models, (list, tuple))
         single_optimizer = not isinstance(optimizers, (list, tuple))
-        self._models = [models] if single_model else list(models)
+        models = [models] if single_model else list(models)
         optimizers = [optimizers] if single_optimizer else list(optimizers)
-        for i, model in enumerate(self._models):
+        if not models or not optimizers:
+            raise ValueError("register: models and optimizers must each hold at least one, got "
+                             f"{len(models)} model(s) and {len(optimizers)} optimizer(s)")
+        for i, model in enumerate(models):
             if not isinstance(model, keras.Model):
                 raise TypeError(f"register: models[{i}] must be a keras.Model, got "
                                 f"{type(model).__name__}")
@@ -67,25 +76,24 @@ class TrainingOperator:
             if not isinstance(optimizer, keras.optimizers.Optimizer):
                 raise TypeError(f"register: optimizers[{i}] must be a Keras optimizer, got "
                                 f"{type(optimizer).__name__}")
-        if len(optimizers) > 1 and len(optimizers) != len(self._models):
-            raise ValueError(f"register: {len(optimizers)} optimizers for {len(self._models)} "
+        if len(optimizers) > 1 and len(optimizers) != len(models):
+            raise ValueError(f"register: {len(optimizers)} optimizers for {len(models)} "
                              "models; with several optimizers, optimizer i updates model i")
-        if self._loss_scaling:
-            optimizers = [o if isinstance(o, keras.optimizers.LossScaleOptimizer)
-                          else keras.optimizers.LossScaleOptimizer(o) for o in optimizers]
-        self._optimizers = optimizers
         if isinstance(loss, str):
             loss = keras.losses.get(loss)
         if loss is not None and not callable(loss):
             raise TypeError(f"register: loss must be a Keras loss, a name or a callable, got {loss!r}")
-        self._loss = loss
         metrics = [] if metrics is None else list(metrics) if isinstance(metrics, (list, tuple)) \
             else [metrics]
         for metric in metrics:
             if not isinstance(metric, keras.metrics.Metric):
                 raise TypeError(f"register: metrics must be keras.metrics.Metric objects, got "
                                 f"{type(metric).__name__}")
-        self._metrics = metrics
+        if self._loss_scaling:
+            optimizers = [o if isinstance(o, keras.optimizers.LossScaleOptimizer)
+                          else keras.optimizers.LossScaleOptimizer(o) for o in optimizers]
+        # Nothing is kept until every argument is checked: a failed register changes nothing.
+        self._models, self._optimizers, self._loss, self._metrics = models, optimizers, loss, metrics
         self._registered = True
         return (self._models[0] if single_model else tuple(self._models),
                 self._optimizers[0] if single_optimizer else tuple(self._optimizers))
@@ -142,16 +150,23 @@ class TrainingOperator:
 
     @property
     def model(self):
+        self._check_registered("model")
         if len(self._models) != 1:
             raise AttributeError(f"{len(self._models)} models are registered: use self.models")
         return self._models[0]
 
     @property
     def optimizer(self):
+        self._check_registered("optimizer")
         if len(self._optimizers) != 1:
             raise AttributeError(f"{len(self._optimizers)} optimizers are registered: use "
                                  "self.optimizers")
         return self._optimizers[0]
+
+    def _check_registered(self, name: str) -> None:
+        if not self._registered:
+            raise AttributeError(f"self.{name} is set by self.register(models=..., optimizers="
+                                 f"...): call register in setup before reading self.{name}")
 
     def _mean_loss(self, y, predictions):
         import tensorflow as tf
@@ -174,6 +189,10 @@ class TrainingOperator:
                          ("data_creator", data_creator)):
             if not callable(fn):
                 raise TypeError(f"from_creators: {name} must be callable, got {type(fn).__name__}")
+        for name, fn in (("loss_creator", loss_creator), ("metrics_creator", metrics_creator)):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"from_creators: {name} must be callable or None, got "
+                                f"{type(fn).__name__}")
 
         class CreatorOperator(cls):
             def setup(self, config):

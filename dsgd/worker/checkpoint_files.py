@@ -75,17 +75,26 @@ def restore_files(replicas, optimizer_variables: list, files: dict[str, bytes]) 
 
 
 def _check_compatible(prefix: str, replica, optimizer_variables) -> None:
+    """ModelMismatchError naming the first difference in count, shape or dtype
+    between the checkpoint's variables and the replica's (its model state and
+    its optimizers' variables), before anything is loaded."""
     import tensorflow as tf
 
-    shapes = tf.train.load_checkpoint(prefix).get_variable_to_shape_map()
+    reader = tf.train.load_checkpoint(prefix)
+    shapes, dtypes = reader.get_variable_to_shape_map(), reader.get_variable_to_dtype_map()
     for group, variables in (("weights", state_variables(replica)),
                              ("optimizer_variables", list(optimizer_variables))):
         saved = sum(1 for k in shapes if k.startswith(group + "/") and k.endswith("VARIABLE_VALUE"))
+        what = "model state variables" if group == "weights" else "optimizer variables"
         if saved != len(variables):
-            raise ModelMismatchError(f"checkpoint has {saved} {group} but the model has {len(variables)}")
+            raise ModelMismatchError(f"the checkpoint is of another model: it holds {saved} "
+                                     f"{what} ({group}), this model has {len(variables)}")
         for i, v in enumerate(variables):
             key = f"{group}/{i}/.ATTRIBUTES/VARIABLE_VALUE"
-            if tuple(shapes[key]) != tuple(v.shape):
-                name = getattr(v, "path", None) or v.name
-                raise ModelMismatchError(f"checkpoint {group}[{i}] has shape {tuple(shapes[key])} but "
-                                         f"the model's variable {name} has shape {tuple(v.shape)}")
+            name = getattr(v, "path", None) or v.name
+            saved_dtype, dtype = tf.as_dtype(dtypes[key]).name, tf.as_dtype(v.dtype).name
+            if tuple(shapes[key]) != tuple(v.shape) or saved_dtype != dtype:
+                raise ModelMismatchError(
+                    f"the checkpoint is of another model: its {group}[{i}] is "
+                    f"{saved_dtype}{tuple(shapes[key])}, this model's variable {name} is "
+                    f"{dtype}{tuple(v.shape)}")

@@ -64,6 +64,9 @@ class Replicas:
             "names": [_name(v) for v in self.variables[0]],
             "shapes": [tuple(int(d) for d in v.shape) for v in self.variables[0]],
             "dtypes": [_dtype_name(v) for v in self.variables[0]],
+            # Which optimizer (by type) updates which variables: workers must agree.
+            "optimizers": [type(o).__name__ for o in self.optimizers[0]],
+            "groups": [list(g) for g in self.group_indices[0]],
             "devices": list(self.devices),
             "pid": os.getpid(),
         }
@@ -92,7 +95,12 @@ class Replicas:
                                          "create the optimizer inside model_creator")
             if self.group_indices[i] != self.group_indices[0]:
                 raise ModelMismatchError(f"{where} groups its variables among optimizers "
-                                         "differently from replica 0")
+                                         f"differently from replica 0: {self.group_indices[i]} "
+                                         f"vs {self.group_indices[0]} (variable indices)")
+            types = [[type(o).__name__ for o in self.optimizers[k]] for k in (0, i)]
+            if types[1] != types[0]:
+                raise ModelMismatchError(f"{where} has optimizer(s) {types[1]} but replica 0 "
+                                         f"has {types[0]}")
 
     def configure(self, plan: ShardPlan, on_nonfinite: str = "raise") -> None:
         """Compile the step functions for this shard plan. Unless `on_nonfinite`
@@ -251,9 +259,11 @@ class Replicas:
                 finite.append(tf.reduce_all(tf.stack(checked)) if checked else tf.constant(True))
         means = device_mean.mean_across_devices(grads, self.devices, self.all_reduce_alg)
         names = sorted(metrics[0])
-        if any(sorted(m) != names for m in metrics):
-            raise ValueError("get_loss must return the same metric names on every replica, got "
-                             f"{[sorted(m) for m in metrics]}")
+        for i, m in enumerate(metrics):
+            if sorted(m) != names:
+                raise ValueError(f"get_loss must return the same metric names on every replica: "
+                                 f"worker {self.worker_index}'s replica {i} returns {sorted(m)}, "
+                                 f"its replica 0 {names}")
         stacked = {n: tf.stack([m[n] for m in metrics]) for n in names}
         return tf.stack(losses), tf.stack(finite), means, flags, stacked
 
@@ -464,16 +474,22 @@ def _loss_parts(out, num_objectives: int) -> tuple[list, dict]:
     metrics = {}
     if isinstance(out, dict):
         if "loss" not in out:
-            raise ValueError(f"get_loss returned a dict without 'loss': keys {sorted(out)}")
+            raise ValueError(f"get_loss returned a dict without 'loss': keys {sorted(out)}; "
+                             "return a scalar loss, or {'loss': loss, <metric>: scalar, ...}")
         metrics = {k: tf.cast(tf.convert_to_tensor(v), tf.float32) for k, v in out.items()
                    if k != "loss"}
         out = out["loss"]
+    if out is None:
+        raise ValueError("get_loss returned None as the loss: return a scalar tf.Tensor")
     objectives = list(out) if isinstance(out, (list, tuple)) else [out]
     if len(objectives) != num_objectives:
         raise ValueError(f"get_loss returned {len(objectives)} loss(es) for {num_objectives} "
                          "optimizer(s): return one scalar loss per optimizer")
     objectives = [tf.convert_to_tensor(o) for o in objectives]
-    for value in objectives + list(metrics.values()):
+    named = [("the loss" if len(objectives) == 1 else f"loss {k}", o)
+             for k, o in enumerate(objectives)] + [(f"metric {k!r}", v) for k, v in metrics.items()]
+    for name, value in named:
         if value.shape.rank != 0:
-            raise ValueError(f"get_loss must return scalars, got shape {value.shape}")
+            raise ValueError(f"get_loss must return scalars, but {name} has shape {value.shape}: "
+                             "reduce it (e.g. tf.reduce_mean)")
     return objectives, metrics
