@@ -42,6 +42,10 @@ MAX_STALL_WARNING_S = 60.0
 START_STALL_WARNING_S = 30.0
 # elastic=True: how often a shrunk DistributedSGD looks for room to grow back, in seconds.
 GROW_CHECK_INTERVAL_S = 10.0
+# After killing or losing workers: how long their resources may take to be
+# released by Ray (a killed SIGSTOPped process is reaped asynchronously) before
+# a replacement is judged not to fit.
+RESOURCE_RELEASE_S = 5.0
 
 WORKER_NAME_PREFIX = "dsgd-worker-"
 PS_NAME_PREFIX = "dsgd-ps-"

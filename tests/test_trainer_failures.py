@@ -12,9 +12,10 @@ from trainer_ops import FlakyClassifier
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 
 
-# "kill" (~13 s) is `slow`: the engine's kill tests (test_recovery.py) cover the replacement;
-# "hang" is the only test of replace_hung and stays in the default run.
-@pytest.mark.parametrize("action", [pytest.param("kill", marks=pytest.mark.slow), "hang"])
+# `slow` (~13-20 s each): the engine's kill tests (test_recovery.py) cover the replacement,
+# test_hung.py replace_hung in steps and in the Trainer's calls.
+@pytest.mark.slow
+@pytest.mark.parametrize("action", ["kill", "hang"])
 def test_a_dead_or_hung_worker_is_replaced_and_the_epoch_completes(action, tmp_path):
     config = {dsgd.BATCH_SIZE: 16, "action": action, "marker": str(tmp_path / "marker")}
     with dsgd.Trainer(FlakyClassifier, num_workers=2, config=config, step_timeout_s=10) as trainer:

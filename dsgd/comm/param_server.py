@@ -48,9 +48,12 @@ class ParameterServer:
         self._pending: dict = {}  # (kind, seq) -> _Rendezvous
 
     def ready(self) -> dict:
+        """Where this PS runs: node_id, pid."""
+        import os
+
         import ray
 
-        return {"node_id": ray.get_runtime_context().get_node_id()}
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     def warm_store(self, max_bytes: int) -> int:
         """Warm this process's object-store mapping up to `max_bytes` (store.warm),

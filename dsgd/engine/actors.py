@@ -9,11 +9,16 @@ decides (dsgd/engine/failures.py), this class carries out.
 
 from __future__ import annotations
 
+import logging
+import threading
+
 from dsgd import constants
 from dsgd.comm import waits
 from dsgd.comm.param_server import ParameterServer
-from dsgd.errors import StepTimeoutError
+from dsgd.errors import DsgdError, StepTimeoutError
 from dsgd.worker.worker import Worker
+
+logger = logging.getLogger("dsgd")
 
 
 class ActorSet:
@@ -45,6 +50,9 @@ class ActorSet:
         self._joining: dict[int, object] = {}  # slot -> a replacement started in the background
         self._generation = 0
         self._membership = 0
+        self._processes: dict[int, tuple[str, int]] = {}  # id(handle) -> (node id, pid)
+        self._closed = False
+        self._lock = threading.Lock()  # shutdown (any thread) against starting actors
 
     # -- membership -----------------------------------------------------------
     @property
@@ -70,6 +78,25 @@ class ActorSet:
         """Changes whenever workers are replaced or added (data loaders are then sent again)."""
         return self._membership
 
+    @property
+    def closed(self) -> bool:
+        """After `shutdown`: no actor is started any more."""
+        return self._closed
+
+    def check_open(self, what: str) -> None:
+        """DsgdError when the set was shut down (`what`: the call refused)."""
+        if self._closed:
+            raise DsgdError(f"{what}: this DistributedSGD was shut down (its actors are killed)")
+
+    def _keep(self, handle, name: str) -> None:
+        """Record a new actor, or kill it at once when the set was shut down meanwhile
+        (a recovery racing shutdown() from another thread leaves no actor behind).
+        Call with the lock held."""
+        if self._closed:
+            _kill(handle)
+            raise DsgdError(f"starting {name}: this DistributedSGD was shut down")
+        self._names[id(handle)] = name
+
     def info(self, slot: int) -> dict:
         return self._infos[slot]
 
@@ -94,11 +121,12 @@ class ActorSet:
             handle = self._worker_cls.options(name=name, runtime_env=constants.ACTOR_RUNTIME_ENV,
                                               **self.worker_options).remote(
                 model_creator, slot, devices, gpu, alg, init)
-            self._names[id(handle)] = name
-            handles.append(handle)
-            position = sorted(self._slots + [slot]).index(slot)
-            self._slots.insert(position, slot)
-            self._workers.insert(position, handle)
+            with self._lock:
+                self._keep(handle, name)
+                handles.append(handle)
+                position = sorted(self._slots + [slot]).index(slot)
+                self._slots.insert(position, slot)
+                self._workers.insert(position, handle)
         return handles
 
     def spawn_worker(self, slot: int):
@@ -110,8 +138,9 @@ class ActorSet:
         handle = self._worker_cls.options(name=name, runtime_env=constants.ACTOR_RUNTIME_ENV,
                                           **self.worker_options).remote(
             model_creator, slot, devices, gpu, alg, init)
-        self._names[id(handle)] = name
-        self._joining[slot] = handle
+        with self._lock:
+            self._keep(handle, name)
+            self._joining[slot] = handle
         return handle
 
     @property
@@ -126,6 +155,7 @@ class ActorSet:
         self._slots.insert(position, slot)
         self._workers.insert(position, handle)
         self._infos[slot] = info
+        self._located(handle, info)
         self._membership += 1
 
     def drop_joining(self, slot: int) -> None:
@@ -134,6 +164,17 @@ class ActorSet:
     def set_up(self, slots: list[int], infos: list[dict]) -> None:
         """Record what the workers of `slots` reported at setup."""
         self._infos.update(zip(slots, infos))
+        for slot, info in zip(slots, infos):
+            self._located(self.worker(slot), info)
+
+    def ps_ready(self, handles: list, infos: list[dict]) -> None:
+        """Record where the PS actors `handles` run (their `ready()` answers)."""
+        for handle, info in zip(handles, infos):
+            self._located(handle, info)
+
+    def _located(self, handle, info: dict) -> None:
+        if "pid" in info and "node_id" in info:
+            self._processes[id(handle)] = (info["node_id"], int(info["pid"]))
 
     def start_ps(self, indices: list[int], node_ids: list[str], warm_store_bytes: int = 0) -> list:
         """Create PS actors `indices`, PS j on node `node_ids[k]` (dsgd/comm/param_server.py
@@ -146,11 +187,12 @@ class ActorSet:
             name = self._name(constants.PS_NAME_PREFIX, j)
             handle = self._ps_cls.options(name=name, **ps_options(node_id)).remote(
                 j, warm_store_bytes)
-            self._names[id(handle)] = name
-            while len(self._ps) <= j:
-                self._ps.append(None)
-            self._ps[j] = handle
-            handles.append(handle)
+            with self._lock:
+                self._keep(handle, name)
+                while len(self._ps) <= j:
+                    self._ps.append(None)
+                self._ps[j] = handle
+                handles.append(handle)
         return handles
 
     def next_generation(self, workers_added: bool) -> None:
@@ -161,8 +203,14 @@ class ActorSet:
 
     # -- stopping -------------------------------------------------------------
     def kill(self, handle) -> None:
-        """Kill one actor (a hung one, to be replaced by recovery)."""
+        """Kill one actor (a hung one, to be replaced by recovery). Ray gives an
+        actor a grace period to exit (about 5 s) before its raylet kills the
+        process, which a hung (e.g. stopped) process never uses: one on this
+        node is SIGKILLed at once too, so its resources free for the replacement."""
         _kill(handle)
+        where = self._processes.pop(id(handle), None)
+        if where is not None:
+            _kill_local_process(*where)
 
     def remove_worker(self, slot: int) -> None:
         k = self._slots.index(slot)
@@ -175,49 +223,86 @@ class ActorSet:
         self._ps[j] = None
 
     def shutdown(self) -> None:
-        for handle in self._workers + [p for p in self._ps if p is not None] \
-                + list(self._joining.values()):
+        """Kill every actor and start none from now on (safe from any thread)."""
+        with self._lock:
+            self._closed = True
+            handles = (self._workers + [p for p in self._ps if p is not None]
+                       + list(self._joining.values()))
+            self._workers, self._slots, self._ps, self._joining = [], [], [], {}
+        for handle in handles:
             _kill(handle)
-        self._workers, self._slots, self._ps, self._joining = [], [], [], {}
 
     # -- waiting --------------------------------------------------------------
     def wait(self, refs: list, owners: list, what: str, timeout_s: float,
              stall_s: float | None = None) -> list:
         """ray.get of `refs` (one per owner actor) with a deadline: stall reports
         every `stall_s` (default: the set's), StepTimeoutError naming the actors
-        that did not answer in `timeout_s`. Actor errors propagate from ray.get."""
-        return waits.get_all(refs, owners, what, timeout_s, name_of=self.name,
-                             stall_s=stall_s or self.stall_s)
+        that did not answer in `timeout_s`. Actor errors propagate from ray.get;
+        DsgdError after `shutdown`."""
+        self.check_open(what)
+        try:
+            return waits.get_all(refs, owners, what, timeout_s, name_of=self.name,
+                                 stall_s=stall_s or self.stall_s)
+        except Exception:
+            self.check_open(what)  # killed by shutdown() from another thread: say so
+            raise
 
     def next_all(self, streams: list, owners: list, what: str, timeout_s: float) -> list:
         """The next ObjectRef of each streaming generator (one per owner actor)."""
         return waits.next_all(streams, owners, what, timeout_s, name_of=self.name,
                               stall_s=self.stall_s)
 
-    def probe(self, timeout_s: float) -> tuple[dict[int, dict | None], list[int]]:
+    def probe(self, timeout_s: float, kill_hung: bool = False
+              ) -> tuple[dict[int, dict | None], list[int]]:
         """Ping every actor; a ping runs after the calls already queued on that
         actor, so a live one answers once its in-flight work has ended.
         Returns ({slot: ping info, or None if dead}, [dead PS indices]).
-        An actor that neither answers nor dies in `timeout_s` raises StepTimeoutError."""
+        An actor that neither answers nor dies in `timeout_s` is hung: with
+        `kill_hung` it is killed and reported dead, otherwise StepTimeoutError."""
         import ray
 
         died = waits.actor_died_errors()
         handles = self._workers + [p for p in self._ps if p is not None]
         refs = [h.ping.remote() for h in handles]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ready_ids = {r.hex() for r in ready}
         answers = []
         for handle, ref in zip(handles, refs):
+            if ref.hex() not in ready_ids:
+                if not kill_hung:
+                    raise StepTimeoutError(f"recovering: {self.name(handle)} neither answered nor "
+                                           f"died within {timeout_s:.1f} s", [handle])
+                logger.warning("recovering: %s neither answered nor died within %.1f s: killing "
+                               "it (hung)", self.name(handle), timeout_s)
+                self.kill(handle)
+                answers.append(None)
+                continue
             try:
-                answers.append(ray.get(ref, timeout=0.001 if answers else timeout_s))
+                answers.append(ray.get(ref, timeout=timeout_s))
             except died:
                 answers.append(None)
-            except ray.exceptions.GetTimeoutError:
-                raise StepTimeoutError(f"recovering: {self.name(handle)} neither answered nor "
-                                       f"died within {timeout_s:.1f} s") from None
         workers = dict(zip(self._slots, answers[:len(self._workers)]))
         live_ps = [j for j, p in enumerate(self._ps) if p is not None]
         dead_ps = [j for j, a in zip(live_ps, answers[len(self._workers):]) if a is None]
         return workers, dead_ps
+
+
+def _kill_local_process(node_id: str, pid: int) -> None:
+    """SIGKILL process `pid` if it runs on this node and is still a Ray worker process."""
+    import os
+    import signal
+
+    import ray
+
+    try:
+        if node_id != ray.get_runtime_context().get_node_id():
+            return
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if not f.read().startswith(b"ray::"):
+                return  # exited, and the pid is someone else's now
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
 
 
 def _kill(handle) -> None:

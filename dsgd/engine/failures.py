@@ -37,6 +37,7 @@ class Status:
     placeable_workers: int         # new workers the cluster can place right now
     has_checkpoint: bool           # a checkpoint to fall back on if no worker survives
     between_steps: bool = False    # found after step `steps_done` was counted: none interrupted
+    call: str | None = None        # a driver call outside steps, to be run again afterwards
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,14 @@ def decide(status: Status) -> Action:
                                  "restore from (call save_checkpoint regularly)")
         return Action(True, f"{what}; every worker died: restoring the last checkpoint",
                       replace, drop, list(status.dead_ps), None, [], False)
+    if status.call is not None:
+        # Outside steps every survivor holds the state the steps left, unless the call
+        # itself was rewriting it (restore_checkpoint, set_weights): its retry makes
+        # every replica agree again, so the first survivor's state serves.
+        source = survivors[0]
+        reason = (f"{what} during {status.call}: replaced, the call is run again"
+                  + (f"; continuing without worker(s) {', '.join(map(str, drop))}" if drop else ""))
+        return Action(True, reason, replace, drop, list(status.dead_ps), source.slot, [], False)
     source = max(survivors, key=lambda w: (w.applied_steps, -w.slot))
     target = source.applied_steps
     if target not in (status.steps_done, status.steps_done + 1) or any(

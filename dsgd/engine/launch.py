@@ -46,7 +46,7 @@ def start(config: Config, actors: ActorSet) -> Topology:
     actors and broadcast worker 0 / replica 0's state. Blocks."""
     slots = list(range(config.num_workers))
     infos = _set_up(config, actors, slots)
-    check_signatures(infos)
+    check_signatures(infos, [f"worker {s}" for s in slots])
     plan = (plan_shards(infos[0]["shapes"], infos[0]["dtypes"], config.grad_shard_bytes,
                         compression=config.compression)
             if config.strategy == "ps" else whole_plan(infos[0]["shapes"], infos[0]["dtypes"]))
@@ -59,7 +59,7 @@ def start(config: Config, actors: ActorSet) -> Topology:
     else:  # one group per shard; with one worker nothing is exchanged
         ps_of_shard, groups = (), tuple((j,) for j in range(plan.num_shards))
     topology = Topology(
-        signature={k: infos[0][k] for k in ("names", "shapes", "dtypes")}, plan=plan,
+        signature={k: infos[0][k] for k in SIGNATURE_KEYS if k in infos[0]}, plan=plan,
         ps_of_shard=ps_of_shard, groups=groups,
         # Apply each PS group's mean as it arrives where the optimizers allow it;
         # replacements run the same model_creator.
@@ -76,7 +76,8 @@ def start_workers(config: Config, actors: ActorSet, topology: Topology, slots: l
     that their model matches the topology's and compile their step. Their
     state is copied by the caller. Blocks, at most `start_timeout_s`."""
     infos = _set_up(config, actors, slots)
-    check_signatures([topology.signature] + infos)
+    check_signatures([topology.signature] + infos,
+                     ["the running workers"] + [f"replacement worker {s}" for s in slots])
     _configure(config, actors, slots, topology.plan, topology.warm_store_bytes)
 
 
@@ -89,8 +90,9 @@ def ensure_ps(config: Config, actors: ActorSet, topology: Topology) -> None:
         return
     nodes = ps_nodes(missing, [actors.info(s)["node_id"] for s in actors.slots])
     handles = actors.start_ps(missing, nodes, topology.warm_store_bytes)
-    actors.wait([p.ready.remote() for p in handles], handles, "starting PS actors",
-                config.start_timeout_s, config.start_stall_report_s)
+    infos = actors.wait([p.ready.remote() for p in handles], handles, "starting PS actors",
+                        config.start_timeout_s, config.start_stall_report_s)
+    actors.ps_ready(handles, infos)
 
 
 def broadcast_state(config: Config, actors: ActorSet) -> None:
@@ -106,9 +108,16 @@ def broadcast_state(config: Config, actors: ActorSet) -> None:
                 "broadcasting worker 0's weights", config.step_timeout_s)
 
 
-def check_signatures(infos: list[dict]) -> None:
-    """ModelMismatchError unless every worker's setup info (`names`, `shapes`,
-    `dtypes` of its variables) matches the first one's."""
+# What workers' models must agree on (Replicas.setup's info); "names" only inform.
+SIGNATURE_KEYS = ("names", "shapes", "dtypes", "optimizers", "groups")
+
+
+def check_signatures(infos: list[dict], labels: list[str] | None = None) -> None:
+    """ModelMismatchError unless every worker's setup info (`shapes` and `dtypes`
+    of its variables, its `optimizers` and their variable `groups`) matches the
+    first one's; the message names both (`labels[i]`, default "worker i") and
+    the first difference. The caller shuts the workers down."""
+    labels = labels or [f"worker {i}" for i in range(len(infos))]
     first = infos[0]
     for i, info in enumerate(infos[1:], start=1):
         if info["shapes"] != first["shapes"] or info["dtypes"] != first["dtypes"]:
@@ -116,9 +125,15 @@ def check_signatures(infos: list[dict]) -> None:
                       if a != b or info["dtypes"][k] != first["dtypes"][k]),
                      min(len(info["shapes"]), len(first["shapes"])))
             raise ModelMismatchError(
-                f"worker {i}'s replicas have {len(info['shapes'])} variables, worker 0's have "
-                f"{len(first['shapes'])}; first difference at variable {k}: "
-                f"{_describe(info, k)} vs {_describe(first, k)}")
+                f"model_creator disagrees across workers: {labels[i]}'s replicas have "
+                f"{len(info['shapes'])} variables, {labels[0]}'s have {len(first['shapes'])}; "
+                f"first difference at variable {k}: {_describe(info, k)} vs {_describe(first, k)}")
+        for key, what in (("optimizers", "optimizer(s)"),
+                          ("groups", "optimizer variable groups (variable indices)")):
+            if key in info and key in first and info[key] != first[key]:
+                raise ModelMismatchError(
+                    f"model_creator disagrees across workers: {labels[i]}'s replicas have "
+                    f"{what} {info[key]}, {labels[0]}'s have {first[key]}")
 
 
 def _set_up(config: Config, actors: ActorSet, slots: list[int]) -> list[dict]:

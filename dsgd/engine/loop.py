@@ -29,7 +29,7 @@ from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
 from dsgd.engine.backups import Stragglers
 from dsgd.engine.feeds import FeedEntry
-from dsgd.engine.recovery import Recovery, first_line
+from dsgd.engine.recovery import Recovery
 from dsgd.engine.state import Progress, Topology
 from dsgd.engine.step import ExchangeStep, LocalSteps, StepResult
 from dsgd.errors import DsgdError, NonFiniteError, StepTimeoutError
@@ -77,7 +77,7 @@ class StepLoop:
                 membership = pending.membership() \
                     if pending is not None and hasattr(pending, "membership") else {}
                 pending = ahead = None  # both went to actors that may be gone: redone
-                if not self._recover(e):
+                if not self.recovery.recover(e):  # kills the hung actors first
                     continue  # retry
                 # Applied before the failure: the mean of the contributors chosen.
                 results = [StepResult(None, [{"apply_s": 0.0}], workers, **membership)]
@@ -111,6 +111,7 @@ class StepLoop:
                 done: int):
         """The unit whose first step is `offset` steps after the next one."""
         number = self.progress.steps_done + offset + 1
+        self.actors.check_open(f"step {number}")
         if self.stragglers.enabled:
             # Late workers found dead, and replacements ready to join (dsgd/engine/backups.py).
             self.stragglers.free(self.actors.workers, self.actors.slots)
@@ -181,6 +182,7 @@ class StepLoop:
                 # The next epoch's first step starts every worker's share together.
                 self.stragglers.wait_free(self.actors.workers, self.config.step_timeout_s)
             return [step.result(epoch_end=True)]
+        self._check_metric_names(infos, step.membership().get("contributors"))
         bad = self._nonfinite(infos, step.membership().get("contributors"))
         if bad:
             if self.config.on_nonfinite == "raise":
@@ -188,6 +190,16 @@ class StepLoop:
             return [step.result(skipped=True)]
         step.exchange()
         return None
+
+    def _check_metric_names(self, infos: list[dict], slots: list[int] | None) -> None:
+        """ValueError (before any apply) when workers' get_loss return different
+        metric names (each worker compares its own replicas)."""
+        names = [sorted(info.get("metrics", {})) for info in infos]
+        if any(n != names[0] for n in names):
+            slots = self.actors.slots if slots is None else slots
+            raise ValueError("get_loss must return the same metric names on every replica: "
+                             + "; ".join(f"worker {s} returns {n}" for s, n in zip(slots, names))
+                             + ". No weights were changed.")
 
     # -- counting --------------------------------------------------------------------------
     def _count(self, result: StepResult, entry: FeedEntry | None) -> NonFiniteError | None:
@@ -259,17 +271,6 @@ class StepLoop:
                 "(|g| >= 65520 rounds to Inf): use compression='bf16' (float32's range), or none.")
 
     # -- failures --------------------------------------------------------------------------
-    def _recover(self, error: BaseException) -> bool:
-        """Kill the actors a StepTimeoutError names (replace_hung), then recover
-        as from a death. Returns True if the interrupted step had been applied."""
-        if isinstance(error, StepTimeoutError):
-            logger.warning("step %d: killing hung actor(s) %s to replace them (%s)",
-                           self.progress.steps_done + 1,
-                           ", ".join(self.actors.name(h) for h in error.late), first_line(error))
-            for handle in error.late:
-                self.actors.kill(handle)
-        return self.recovery.recover(error)
-
     def _replace_fallen_ps(self, result: StepResult, pending):
         """After a step the workers completed by computing a dead PS's means
         themselves (already counted): replace that PS now. If a worker was found

@@ -22,7 +22,7 @@ from dsgd.engine.actors import ActorSet
 from dsgd.engine.backups import Stragglers
 from dsgd.engine.resources import placeable_workers
 from dsgd.engine.state import Progress, Topology
-from dsgd.errors import DsgdError
+from dsgd.errors import DsgdError, StepTimeoutError
 
 logger = logging.getLogger("dsgd")
 
@@ -47,33 +47,51 @@ class Recovery:
         self._next_grow_check = 0.0
         self._joining: dict[int, dict] = {}  # slot -> a background replacement's progress
 
-    def recover(self, error: BaseException, between_steps: bool = False) -> bool:
+    def recover(self, error: BaseException, between_steps: bool = False,
+                call: str | None = None) -> bool:
         """Carry out what failures.decide says after `error`. Returns True if the
         interrupted step had been applied (do not retry it). Raises if the policy
         says the error is not recoverable. between_steps: the failure was found
         after step `steps_done` was counted and before the next step's applies
         (logged and recorded as step `steps_done`'s, nothing to retry; a step
-        already submitted to workers that were replaced must be submitted again)."""
+        already submitted to workers that were replaced must be submitted again).
+        call: a driver call outside steps (e.g. "get_weights") that failed and
+        will be run again on the new group (between steps; its state is taken
+        from the first survivor, the call's retry makes the rest agree).
+
+        A StepTimeoutError naming actors (replace_hung) first kills them; with
+        replace_hung, an actor that neither answers the probe nor dies within
+        step_timeout_s is killed too: both are then replaced as dead ones."""
+        self.actors.check_open("recovering")
         start = time.perf_counter()
-        probed, dead_ps = self.actors.probe(self.config.step_timeout_s)
+        if isinstance(error, StepTimeoutError) and error.late:
+            logger.warning("%s: killing hung actor(s) %s to replace them (%s)",
+                           call or f"step {self.progress.steps_done + 1}",
+                           ", ".join(self.actors.name(h) for h in error.late), first_line(error))
+            for handle in error.late:
+                self.actors.kill(handle)
+        between_steps = between_steps or call is not None
+        probed, dead_ps = self.actors.probe(self.config.step_timeout_s,
+                                            kill_hung=self.config.replace_hung)
         workers = [failures.WorkerStatus(slot, info is not None,
                                          None if info is None else info["applied_steps"])
                    for slot, info in probed.items()]
         dead = [w.slot for w in workers if not w.alive]
         for slot in dead:  # frees its resources for the replacement
             self.actors.remove_worker(slot)
-        placeable = placeable_workers(self.actors.worker_options, len(dead)) if dead else 0
+        placeable = self._placeable(len(dead))
         steps_done = self.progress.steps_done
         action = failures.decide(failures.Status(
             workers, dead_ps, steps_done, len(self.progress.failures) + len(self._joining) + 1,
             self.config.max_failures, self.config.elastic, placeable,
-            self.progress.last_checkpoint is not None, between_steps))
+            self.progress.last_checkpoint is not None, between_steps, call))
         step = steps_done + (0 if between_steps else 1)  # the step it is reported under
+        where = call or f"step {step}"
         if not action.recover:
             if not dead and not dead_ps:
                 raise error
-            raise DsgdError(f"step {step}: {action.reason}") from error
-        logger.warning("step %d: %s (%s: %s)", step, action.reason,
+            raise DsgdError(f"{where}: {action.reason}") from error
+        logger.warning("%s: %s (%s: %s)", where, action.reason,
                        type(error).__name__, first_line(error))
         for j in action.replace_ps:
             self.actors.remove_ps(j)
@@ -88,11 +106,25 @@ class Recovery:
                            self.actors.num_workers * self.config.devices_per_worker)
         self._changed(action.replace_workers)
         self.stragglers.reset()  # the probe ran after every queued call: nobody is late
-        self.progress.failed({"step": step, "error": type(error).__name__,
-                              "reason": action.reason,
-                              "recovery_s": time.perf_counter() - start})
+        record = {"step": step, "error": type(error).__name__, "reason": action.reason,
+                  "recovery_s": time.perf_counter() - start}
+        if call is not None:
+            record["call"] = call
+        self.progress.failed(record)
         logger.warning("recovered in %.1f s", self.progress.failures[-1]["recovery_s"])
         return action.step_completed
+
+    def _placeable(self, count: int) -> int:
+        """How many of `count` replacements fit, waiting up to RESOURCE_RELEASE_S for
+        Ray to release the resources of the workers just lost."""
+        if not count:
+            return 0
+        deadline = time.monotonic() + constants.RESOURCE_RELEASE_S
+        while True:
+            placeable = placeable_workers(self.actors.worker_options, count)
+            if placeable >= count or time.monotonic() > deadline:
+                return placeable
+            time.sleep(0.1)
 
     def replace_dead_ps(self, groups: list[int]) -> None:
         """After a step (already counted) that the workers completed by computing
@@ -103,7 +135,8 @@ class Recovery:
         steps_done = self.progress.steps_done
         what = (f"step {steps_done}: the PS of shard group(s) {groups} did not answer; "
                 "the workers computed those means themselves")
-        probed, dead_ps = self.actors.probe(self.config.step_timeout_s)
+        probed, dead_ps = self.actors.probe(self.config.step_timeout_s,
+                                            kill_hung=self.config.replace_hung)
         if any(info is None for info in probed.values()):
             self.recover(DsgdError(what), between_steps=True)
             return
@@ -223,7 +256,8 @@ class Recovery:
                 self._check_start_time(slot, joiner)
                 return
             joiner["info"] = ray.get(joiner["setup"], timeout=self.config.step_timeout_s)
-            launch.check_signatures([self.topology.signature, joiner["info"]])
+            launch.check_signatures([self.topology.signature, joiner["info"]],
+                                    ["the running workers", f"replacement worker {slot}"])
             joiner["configure"] = handle.configure.remote(
                 self.topology.plan, self.config.on_nonfinite, self.topology.warm_store_bytes)
         if not ray.wait([joiner["configure"]], timeout=0)[0]:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from dsgd import constants
+from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
 from dsgd.engine import checkpoints, feeding, launch
 from dsgd.engine.actors import ActorSet
@@ -24,6 +25,7 @@ from dsgd.engine.loop import StepLoop
 from dsgd.engine.recovery import Recovery
 from dsgd.engine.state import Progress, Topology
 from dsgd.engine.step import per_group
+from dsgd.errors import StepTimeoutError
 from dsgd.model import Model
 from dsgd.native import ops
 from dsgd.worker.worker import Worker
@@ -236,8 +238,8 @@ class DistributedSGD:
     @property
     def ps_info(self) -> list[dict]:
         """Node of each PS actor, in PS order. Blocks for one call per PS."""
-        handles = self.ps_actors
-        return self._wait([p.ready.remote() for p in handles], handles, "ps_info")
+        return self._retried("ps_info", lambda _: (
+            [p.ready.remote() for p in self.ps_actors], self.ps_actors))
 
     # -- steps ------------------------------------------------------------------
     def step(self, fetch_stats: bool = False) -> dict | None:
@@ -333,51 +335,51 @@ class DistributedSGD:
     # -- the rest of the API ------------------------------------------------------
     def foreach_worker(self, fn: Callable[[Worker], Any]) -> list:
         """fn(worker) on every worker actor, in worker order. Blocks, at most
-        `step_timeout_s`."""
+        `step_timeout_s`. A worker that dies (or hangs, with `replace_hung`)
+        meanwhile is replaced and `fn` runs again on every worker, so a
+        function with side effects (files written, counters) may see them
+        twice on the survivors."""
         return self._call_all("foreach_worker", fn)
 
     def foreach_model(self, fn: Callable[[Model], Any]) -> list:
-        """fn(replica) on every replica; flat list, worker-major. Blocks."""
+        """fn(replica) on every replica; flat list, worker-major. Blocks. Retried
+        on the new group after a replacement, like `foreach_worker`."""
         return [x for per_worker in self._call_all("foreach_model", fn) for x in per_worker]
 
     def for_model(self, fn: Callable[[Model], Any]) -> Any:
-        """fn on worker 0, replica 0. Blocks."""
-        worker = self.workers[:1]
-        return self._wait([worker[0].foreach_model.remote(fn)], worker, "for_model")[0][0]
+        """fn on worker 0, replica 0. Blocks. Retried once on the new worker 0
+        after a replacement, like `foreach_worker`."""
+        return self._retried("for_model", lambda w: ([w[0].foreach_model.remote(fn)], w[:1]))[0][0]
 
     def run_on_workers(self, fn: Callable[..., Any], per_worker: list, *args,
                        timeout_s: float | None = None, what: str = "run_on_workers") -> list:
         """fn(worker, per_worker[k], *args) on worker k, in worker order (the
         layers above use it for work split among the workers, e.g. the
         Trainer's validation). `per_worker` is a list, or a callable returning
-        one (called again after a recovery). A worker that dies meanwhile is
-        replaced (state copied from a survivor, nothing retried in between
-        steps) and the whole call run again, so `fn` must be safe to repeat.
-        Blocks, at most `timeout_s` (default `step_timeout_s`) per attempt; a
-        timeout raises StepTimeoutError and kills nobody."""
-        from dsgd.comm.waits import actor_died_errors
-
-        while True:
-            workers = self.workers
+        one (called again after a recovery). A worker that dies (or hangs, with
+        `replace_hung`) meanwhile is replaced (state copied from a survivor,
+        nothing retried in between steps) and the whole call run again once,
+        so `fn` must be safe to repeat. Blocks, at most `timeout_s` (default
+        `step_timeout_s`) per attempt; without `replace_hung` a timeout raises
+        StepTimeoutError and kills nobody."""
+        def submit(workers):
             args_list = per_worker() if callable(per_worker) else per_worker
-            try:
-                refs = [w.run.remote(fn, a, *args) for w, a in zip(workers, args_list)]
-                return self._wait(refs, workers, what, timeout_s)
-            except actor_died_errors() as e:
-                self._recovery.recover(e, between_steps=True)
+            return [w.run.remote(fn, a, *args) for w, a in zip(workers, args_list)], workers
+
+        return self._retried(what, submit, timeout_s)
 
     def get_weights(self) -> list[np.ndarray]:
-        """Worker 0 / replica 0's trainable weights (every replica holds the same)."""
-        worker = self.workers[:1]
-        return self._wait([worker[0].get_weights.remote()], worker, "get_weights")[0]
+        """Worker 0 / replica 0's trainable weights (every replica holds the same).
+        Blocks; retried once after a replacement."""
+        return self._retried("get_weights", lambda w: ([w[0].get_weights.remote()], w[:1]))[0]
 
     def set_weights(self, weights: list[np.ndarray]) -> None:
-        """Set the trainable weights of every replica (one object-store copy)."""
+        """Set the trainable weights of every replica (one object-store copy).
+        Blocks; a worker lost meanwhile is replaced and every replica set again."""
         import ray
 
         ref = ray.put(list(weights))
-        workers = self.workers
-        self._wait([w.set_weights.remote(ref) for w in workers], workers, "set_weights")
+        self._retried("set_weights", lambda ws: ([w.set_weights.remote(ref) for w in ws], ws))
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """Write weights, optimizer state, step count and configuration as the
@@ -388,9 +390,10 @@ class DistributedSGD:
         `extra`: JSON-serialisable values stored with it (e.g. a trainer's
         epoch), which `restore_checkpoint` returns. Blocks until the files are
         fsynced. Returns `path`."""
-        config, worker = self.config, self.workers[:1]
-        files = self._wait([worker[0].save_checkpoint.remote(self.steps_done)], worker,
-                           "save_checkpoint")[0]
+        config = self.config
+        steps = self.steps_done
+        files = self._retried("save_checkpoint",
+                              lambda w: ([w[0].save_checkpoint.remote(steps)], w[:1]))[0]
         meta = {"step": self.steps_done, "num_workers": self.num_workers,
                 "devices_per_worker": config.devices_per_worker, "strategy": config.strategy,
                 "compression": config.compression, "grad_shard_bytes": config.grad_shard_bytes,
@@ -417,7 +420,7 @@ class DistributedSGD:
         import ray
 
         files, meta = checkpoints.read(path)
-        steps = self._call_all("restore_checkpoint", ray.put(files))
+        steps = self._call_all("restore_checkpoint", ray.put(files))  # retried after a loss
         self._progress.restored(path, int(steps[0]))
         if "data_position" in meta:
             self._feeds.seek(int(meta["data_position"]))
@@ -438,5 +441,27 @@ class DistributedSGD:
         return self._actors.wait(refs, owners, what, timeout_s or self.config.step_timeout_s)
 
     def _call_all(self, method: str, *args) -> list:
-        workers = self.workers
-        return self._wait([getattr(w, method).remote(*args) for w in workers], workers, method)
+        """Worker method `method(*args)` on every worker, retried once after a loss."""
+        return self._retried(method, lambda ws: ([getattr(w, method).remote(*args) for w in ws], ws))
+
+    def _retried(self, what: str, submit: Callable[[list], tuple[list, list]],
+                 timeout_s: float | None = None) -> list:
+        """A driver call outside steps: `submit(workers)` sends it (returns the refs
+        and the actor that answers each), then the answers are waited for (at
+        most `timeout_s`, default step_timeout_s). If an actor died meanwhile,
+        or did not answer (StepTimeoutError) and `replace_hung` is on, the
+        failure policy replaces it between steps (state copied from a
+        survivor; dsgd/engine/recovery.py) and the call is sent once more to
+        the new group. A second failure, or one the policy does not recover
+        from, raises. Blocks."""
+        for attempt in (0, 1):
+            self._actors.check_open(what)
+            refs, owners = submit(self.workers)
+            try:
+                return self._wait(refs, owners, what, timeout_s)
+            except (*actor_died_errors(), StepTimeoutError) as e:
+                hung = isinstance(e, StepTimeoutError)
+                if attempt or (hung and not (self.config.replace_hung and e.late)):
+                    raise
+                self._recovery.recover(e, call=what)
+        raise AssertionError("unreachable")

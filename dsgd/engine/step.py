@@ -96,6 +96,7 @@ class ExchangeStep:
         self._extra: dict[int, dict] = {}  # index -> report of a worker dropped on time
         self._apply_refs: list | None = None  # submitted applies, not yet waited for
         self._apply_owners: list = []
+        self._means: list[tuple] = []      # (mean ref, its PS handle) per group ("ps")
         self._dropped_rows: list[tuple] = []  # (slot, rows or None) left out of the mean
 
     def time_left(self) -> float:
@@ -266,8 +267,10 @@ class ExchangeStep:
             refs = self.actors.next_all(streams, contributors,
                                         f"{self.label}: writing shard group {g}", self.time_left())
             if config.strategy == "ps":
-                mean_refs.append(self.actors.ps[topology.ps_of_group(g)].mean.remote(shards, *refs))
+                ps = self.actors.ps[topology.ps_of_group(g)]
+                mean_refs.append(ps.mean.remote(shards, *refs))
                 grad_refs.append(refs)
+                self._means.append((mean_refs[-1], ps))
             else:
                 worker_groups = self.actors.wait(refs, contributors, f"{self.label}: gathering "
                                                  f"shard group {g}", self.time_left())
@@ -340,8 +343,29 @@ class ExchangeStep:
         not for those of late workers."""
         refs, self._apply_refs = self._apply_refs, None
         owners = self._apply_owners
-        applied = self.actors.wait(refs, owners, f"{self.label}: applying", self.time_left())
+        try:
+            applied = self.actors.wait(refs, owners, f"{self.label}: applying", self.time_left())
+        except StepTimeoutError as e:
+            # Workers waiting for a mean are not the hung ones: its PS is.
+            hung_ps = self._unanswered_ps()
+            if not hung_ps:
+                raise
+            raise StepTimeoutError(
+                f"{self.label}: no mean after {self.config.step_timeout_s:.1f} s from "
+                f"{', '.join(sorted(self.actors.name(p) for p in hung_ps))}", hung_ps) from e
         return [StepResult(self.reports(), applied, len(self.workers), **self._membership())]
+
+    def _unanswered_ps(self) -> list:
+        """The PS actors of this step whose means are not in the store (each once)."""
+        import ray
+
+        if not self._means:
+            return []
+        refs = [ref for ref, _ in self._means]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        done = {r.hex() for r in ready}
+        hung = {id(ps): ps for ref, ps in self._means if ref.hex() not in done}
+        return list(hung.values())
 
 
 class LocalSteps:

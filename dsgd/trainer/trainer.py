@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dsgd import constants
+from dsgd.config import check_picklable
 from dsgd.data import Dataset
 from dsgd.data.dataset import is_ray_dataset
 from dsgd.data.feeds import RowSpans
@@ -73,6 +74,9 @@ class Trainer:
             raise ValueError(f"use_fp16 must be one of {list(PRECISIONS)}, got {use_fp16!r}")
         if initialization_hook is not None and not callable(initialization_hook):
             raise TypeError("initialization_hook must be callable or None")
+        if initialization_hook is not None:
+            check_picklable("initialization_hook", initialization_hook,
+                            "Ray sends it to every worker")
         if config is not None and not isinstance(config, dict):
             raise TypeError(f"config must be a dict or None, got {type(config).__name__}")
         self.config = dict(config or {})
@@ -123,9 +127,8 @@ class Trainer:
         self.epoch += 1
         epoch = self.epoch
         self._info = info
-        changed = self.sgd.foreach_model(lambda m: m.start_epoch(epoch, info))
-        if any(changed):
-            self.sgd.foreach_worker(lambda w: w.replicas.retrace())
+        # One call per worker (retried on a new group if a worker is lost): safe to repeat.
+        self.sgd.foreach_worker(lambda w: _start_epoch(w, epoch, info))
         data = dataset if dataset is not None else self._train_data
         if data is None:
             raise ValueError("nothing to train on: register_data(train_data=...) in setup, or "
@@ -265,7 +268,7 @@ class Trainer:
 
     def _resend_info(self) -> None:
         info = self._info
-        self.sgd.foreach_model(lambda m: m.set_info(info))
+        self.sgd.foreach_worker(lambda w: _set_info(w, info))
 
     def _log(self, scalars: dict[str, Any]) -> None:
         if not self.logdir:
@@ -310,6 +313,19 @@ class _WorkerInit:
             import keras
 
             keras.mixed_precision.set_global_policy(self.precision)
+
+
+def _start_epoch(worker, epoch: int, info: dict | None) -> None:
+    """(worker side) Every replica starts `epoch`; the compiled step is traced again
+    where train()'s info changed."""
+    if any([m.start_epoch(epoch, info) for m in worker.replicas.replicas]):
+        worker.replicas.retrace()
+
+
+def _set_info(worker, info: dict | None) -> None:
+    """(worker side) train()'s info for a replacement worker (retraced if it changed)."""
+    if any([m.set_info(info) for m in worker.replicas.replicas]):
+        worker.replicas.retrace()
 
 
 def _registered_data(replica: OperatorReplica) -> tuple:
