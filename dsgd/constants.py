@@ -45,7 +45,7 @@ GROW_CHECK_INTERVAL_S = 10.0
 # After killing or losing workers: how long their resources may take to be
 # released by Ray (a killed SIGSTOPped process is reaped asynchronously) before
 # a replacement is judged not to fit.
-RESOURCE_RELEASE_S = 5.0
+RESOURCE_RELEASE_S = 8.0
 
 WORKER_NAME_PREFIX = "dsgd-worker-"
 PS_NAME_PREFIX = "dsgd-ps-"

@@ -4,9 +4,9 @@ from dsgd.engine.failures import Status, WorkerStatus, decide
 
 
 def status(workers, dead_ps=(), steps_done=5, failures=1, max_failures=3, elastic=False,
-           placeable=8, checkpoint=False, between_steps=False):
+           placeable=8, checkpoint=False, between_steps=False, call=None):
     return Status([WorkerStatus(s, a, n) for s, a, n in workers], list(dead_ps), steps_done,
-                  failures, max_failures, elastic, placeable, checkpoint, between_steps)
+                  failures, max_failures, elastic, placeable, checkpoint, between_steps, call)
 
 
 def test_no_death_is_not_recovered():
@@ -75,3 +75,21 @@ def test_every_worker_dead_needs_a_checkpoint():
 def test_inconsistent_survivors_are_an_error():
     action = decide(status([(0, True, 3), (1, False, None)]))
     assert not action.recover and "cannot tell" in action.reason
+
+
+def test_loss_in_a_driver_call_replaces_and_takes_the_first_survivors_state():
+    # restore_checkpoint was rewriting the replicas when worker 0 hung: the survivors
+    # disagree on their step count; the call's retry makes them agree again.
+    action = decide(status([(0, False, None), (1, True, 9), (2, True, 5)], dead_ps=[1],
+                           between_steps=True, call="restore_checkpoint"))
+    assert action.recover and not action.step_completed
+    assert action.state_source == 1 and action.sync_workers == [] and action.replace_workers == [0]
+    assert action.replace_ps == [1]
+    assert "during restore_checkpoint" in action.reason and "run again" in action.reason
+
+
+def test_loss_in_a_driver_call_still_obeys_max_failures_and_room():
+    action = decide(status([(0, True, 5), (1, False, None)], failures=4, call="get_weights"))
+    assert not action.recover and "max_failures=3" in action.reason
+    action = decide(status([(0, True, 5), (1, False, None)], placeable=0, call="get_weights"))
+    assert not action.recover and "elastic=True" in action.reason

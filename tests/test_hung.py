@@ -254,6 +254,9 @@ def test_trainer_calls_survive_a_lost_worker(call, tmp_path):
         assert len(trainer.sgd.failures) == 1 and trainer.sgd.worker_info[0]["pid"] != pid
         assert trainer.train()["num_samples"] == 64
         assert_replicas_equal(trainer.sgd)
+        if call == "save":  # the checkpoint written across the replacement loads
+            trainer.load(str(tmp_path / "saved"))
+    assert instance_actors(trainer.sgd.instance_id) == []  # the replacement too
 
 
 # -- no data loss at the edges ------------------------------------------------------------------

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from dsgd.errors import DsgdError, StepTimeoutError
+from dsgd.errors import StepTimeoutError
 
 logger = logging.getLogger("dsgd")
 
@@ -74,7 +74,13 @@ def next_all(streams: Sequence, owners: Sequence, what: str, timeout_s: float, *
         try:
             refs.append(next(stream))
         except StopIteration:
-            raise DsgdError(f"{what}: {name_of(owner)} ended its shard stream early") from None
+            # A stream cut short: the actor was killed while writing it (Ray ends the
+            # generator instead of raising). Reported as a death, for the recovery.
+            from ray.exceptions import ActorDiedError
+
+            error = ActorDiedError()
+            error.add_note(f"{what}: {name_of(owner)} ended its shard stream early")
+            raise error from None
     return refs
 
 

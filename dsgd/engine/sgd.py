@@ -72,10 +72,13 @@ class DistributedSGD:
         elastic: when a dead worker cannot be replaced for lack of resources,
             continue with fewer workers (a smaller global batch), and add
             workers back when resources return. Without it, that is an error.
-        replace_hung: a step that times out (`step_timeout_s`) kills the actors
-            that did not answer and recovers as if they had died (replaced, the
-            step retried), logging it; without it the step raises
-            `StepTimeoutError`.
+        replace_hung: a step or any other call (`get_weights`, `foreach_model`,
+            `save_checkpoint`, ...) that times out (`step_timeout_s`) kills the
+            actors that did not answer and recovers as if they had died
+            (replaced, the step retried or the call run once more on the new
+            group), logging it; so does an actor that neither answers nor dies
+            while a recovery probes it. Without it the call raises
+            `StepTimeoutError`. A dead actor is replaced either way.
         worker_init: called with no arguments in every worker process before
             its replicas are built (e.g. to set environment variables or a
             Keras precision policy); it travels pickled.
@@ -427,7 +430,9 @@ class DistributedSGD:
         return meta.get("extra")
 
     def shutdown(self) -> None:
-        """Kill every actor. Idempotent."""
+        """Kill every actor. Idempotent; safe from another thread while a step or a
+        recovery runs (that call then raises DsgdError and no actor is started
+        after). Every later call raises DsgdError."""
         self._actors.shutdown()
 
     def __enter__(self) -> DistributedSGD:
