@@ -32,7 +32,6 @@ def test_chaos_loses_no_step_and_ends_with_the_uninterrupted_weights():
         faults.reap()
     assert len(faults.faults) >= 4, faults.faults
     assert engine["steps_done"] == engine["steps_asked"]
-    assert not trainer["short_epochs"]
     recorded = len(engine["failures"]) + len(trainer["failures"])
     assert recorded >= len([f for f in faults.faults if f["recovered_after_s"] is not None])
     engine_ref = chaos.engine_phase(0, None, steps=engine["steps_asked"])
