@@ -13,7 +13,8 @@ from dsgd.errors import (CheckpointError, DsgdError, ModelMismatchError,  # noqa
                          NonFiniteError, ResourceError, StepTimeoutError)
 from dsgd.model import KerasModel, Model  # noqa: E402
 from dsgd.engine.sgd import DistributedSGD  # noqa: E402
-from dsgd.trainer import BATCH_SIZE, Trainer, TrainingOperator  # noqa: E402
+from dsgd.trainer import (BATCH_SIZE, AverageMeterCollection, ReduceLROnPlateau,  # noqa: E402
+                          Trainer, TrainingOperator)
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,8 @@ __all__ = [
     "Trainer",
     "TrainingOperator",
     "BATCH_SIZE",
+    "ReduceLROnPlateau",
+    "AverageMeterCollection",
     "Model",
     "KerasModel",
     "DsgdError",

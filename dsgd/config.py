@@ -49,6 +49,7 @@ class Config:
     apply_per_group: bool = True
     local_steps_per_call: int = constants.LOCAL_STEPS_PER_CALL
     backup_workers: int = 0
+    local: bool = False
 
     def __post_init__(self):
         if not callable(self.model_creator):
@@ -92,6 +93,10 @@ class Config:
         if self.worker_init is not None:
             check_picklable("worker_init", self.worker_init, "Ray sends it to every worker")
         _bool("apply_per_group", self.apply_per_group)
+        _bool("local", self.local)
+        if self.local and self.num_workers != 1:
+            raise ValueError(f"local=True runs one worker in this process: num_workers must be "
+                             f"1, got {self.num_workers}")
         _positive_int("local_steps_per_call", self.local_steps_per_call)
         if isinstance(self.backup_workers, bool) \
                 or not isinstance(self.backup_workers, (int, np.integer)) \

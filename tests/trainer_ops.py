@@ -156,3 +156,69 @@ class Gan(dsgd.TrainingOperator):
                   + bce(tf.zeros_like(fake_logits), fake_logits)) / 2
         loss_g = bce(tf.ones_like(fake_logits), fake_logits)
         return {"loss": (loss_d, loss_g), "loss_d": loss_d, "loss_g": loss_g}
+
+
+class ScheduledClassifier(Classifier):
+    """The classifier with the scheduler `config["make_scheduler"]()` registered."""
+
+    def setup(self, config):
+        super().setup(config)
+        self._registered = False  # register again, now with the scheduler
+        self.register(models=self.model_, optimizers=self.optimizer_, loss=self._loss,
+                      metrics=self._metrics, schedulers=config["make_scheduler"]())
+
+
+def halve_after_first(epoch, lr):
+    """A (count, lr) -> lr scheduler: keep the rate for count 0, halve it after."""
+    return lr if epoch == 0 else lr * 0.5
+
+
+def step_decay():
+    return halve_after_first
+
+
+def exponential_decay():
+    import keras
+
+    return keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=1, decay_rate=0.8)
+
+
+def plateau():
+    return dsgd.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=1, min_delta=10.0)
+
+
+def scheduled_reference(epochs: int, global_batch: int, before_epoch=None, before_step=None,
+                        after_epoch=None, lr: float = 0.1, train_n: int = 64):
+    """`reference` with hooks that set the learning rate: before_epoch(epoch0,
+    optimizer), before_step(optimizer), after_epoch(epoch0, optimizer, model)."""
+    import keras
+    import tensorflow as tf
+
+    model = build_model()
+    optimizer = keras.optimizers.SGD(lr)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = classification(train_n, 0)
+    rates = []
+    for epoch in range(epochs):
+        if before_epoch:
+            before_epoch(epoch, optimizer)
+        for start in range(0, train_n, global_batch):
+            if before_step:
+                before_step(optimizer)
+            xb, yb = x[start:start + global_batch], y[start:start + global_batch]
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(loss_fn(yb, model(xb, training=True)))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        rates.append(float(optimizer.learning_rate.numpy()))
+        if after_epoch:
+            after_epoch(epoch, optimizer, model)
+    return model.get_weights(), rates
+
+
+def validation_loss(model) -> float:
+    import keras
+
+    vx, vy = classification(30, 1)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return float(np.mean(loss_fn(vy, model(vx, training=False))))

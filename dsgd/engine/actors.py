@@ -30,17 +30,20 @@ class ActorSet:
         suffix: this DistributedSGD's id, the last part of every actor name.
         stall_s: interval of stall reports while a wait is pending.
         worker_cls, ps_cls: the actor classes (a seam for tests).
+        local: the workers run in this process (dsgd/engine/local.py).
     """
 
     def __init__(self, worker_args: tuple, worker_options: dict, suffix: str, stall_s: float,
-                 worker_cls=Worker, ps_cls=ParameterServer):
+                 worker_cls=Worker, ps_cls=ParameterServer, local: bool = False):
         import ray
+
+        from dsgd.engine.local import LocalActorClass
 
         self.worker_args = worker_args
         self.worker_options = worker_options
         self.suffix = suffix
         self.stall_s = stall_s
-        self._worker_cls = ray.remote(worker_cls)
+        self._worker_cls = LocalActorClass(worker_cls) if local else ray.remote(worker_cls)
         self._ps_cls = ray.remote(ps_cls)
         self._slots: list[int] = []     # worker slot of self._workers[k]
         self._workers: list = []

@@ -82,6 +82,11 @@ class DistributedSGD:
         worker_init: called with no arguments in every worker process before
             its replicas are built (e.g. to set environment variables or a
             Keras precision policy); it travels pickled.
+        local: run the one worker (num_workers=1) in this process instead of
+            an actor, its steps eager (not compiled), so that a debugger or
+            `breakpoint()` in `model_creator` or `get_loss` stops in this
+            terminal; the same driver code path otherwise (dsgd/engine/local.py).
+            For debugging: slower, and a worker that raises is not replaced.
         compression: None, "fp16" or "bf16" (strategy="ps", 2+ workers): float32
             gradients travel as 16-bit values (half the bytes through the store
             and the network). Each worker rounds its local mean gradient to
@@ -127,7 +132,7 @@ class DistributedSGD:
                  max_failures: int = constants.DEFAULT_MAX_FAILURES, elastic: bool = False,
                  replace_hung: bool = False, worker_init: Callable[[], Any] | None = None,
                  compression: str | None = None, backup_workers: int = 0,
-                 apply_per_group: bool = True,
+                 local: bool = False, apply_per_group: bool = True,
                  local_steps_per_call: int = constants.LOCAL_STEPS_PER_CALL):
         self.config = Config(
             model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
@@ -136,7 +141,7 @@ class DistributedSGD:
             stall_warning_s=stall_warning_s, on_nonfinite=on_nonfinite,
             max_failures=max_failures, elastic=elastic, replace_hung=replace_hung,
             worker_init=worker_init, compression=compression, apply_per_group=apply_per_group,
-            local_steps_per_call=local_steps_per_call, backup_workers=backup_workers)
+            local_steps_per_call=local_steps_per_call, backup_workers=backup_workers, local=local)
         import ray
 
         if not ray.is_initialized():
@@ -147,7 +152,8 @@ class DistributedSGD:
         self.on_workers_changed: list[Callable[[], Any]] = []
         self._actors = ActorSet(
             (model_creator, devices_per_worker, gpu, all_reduce_alg, worker_init),
-            launch.worker_options(config), uuid.uuid4().hex[:6], config.stall_report_s)
+            {} if config.local else launch.worker_options(config), uuid.uuid4().hex[:6],
+            config.stall_report_s, local=config.local)
         self._progress = Progress()
         self._feeds = Feeds(constants.DATA_FEEDS_KEPT)
         try:

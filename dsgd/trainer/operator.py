@@ -34,6 +34,7 @@ class TrainingOperator:
         self._optimizers: list = []
         self._loss: Callable | None = None
         self._metrics: list = []
+        self._schedulers: list = []
         self._train_data = self._validation_data = None
         self._registered = self._data_registered = False
 
@@ -43,16 +44,23 @@ class TrainingOperator:
         raise NotImplementedError("TrainingOperator subclasses must implement setup(config)")
 
     # -- registration -------------------------------------------------------------------
-    def register(self, *, models, optimizers, loss=None, metrics=None):
+    def register(self, *, models, optimizers, loss=None, metrics=None, schedulers=None):
         """Register one or several Keras models and optimizers (several: optimizer i
         updates model i, e.g. a GAN's discriminator and generator), the loss (a
-        Keras loss object, name or callable `loss(y_true, y_pred)`) and Keras
-        metrics reported by validation as `val_<name>`. Returns (models,
-        optimizers) shaped as given; with `use_fp16=True` the optimizers are
-        wrapped in `keras.optimizers.LossScaleOptimizer`. Call it once, in
-        `setup`: a second call is a RuntimeError; a wrong type a TypeError or
-        ValueError naming the argument (and nothing is registered)."""
+        Keras loss object, name or callable `loss(y_true, y_pred)`), Keras
+        metrics reported by validation as `val_<name>`, and learning-rate
+        schedulers (scheduler i drives optimizer i; each a
+        `keras.optimizers.schedules.LearningRateSchedule`, a callable
+        `(epoch_or_step, lr) -> lr` or a `dsgd.ReduceLROnPlateau`; stepped as
+        `Trainer(scheduler_step_freq=...)` says, see dsgd/trainer/schedules.py).
+        Returns (models, optimizers) shaped as given, plus the schedulers when
+        given; with `use_fp16=True` the optimizers are wrapped in
+        `keras.optimizers.LossScaleOptimizer`. Call it once, in `setup`: a
+        second call is a RuntimeError; a wrong type a TypeError or ValueError
+        naming the argument (and nothing is registered)."""
         import keras
+
+        from dsgd.trainer import schedules
 
         if self._registered:
             raise RuntimeError(f"{type(self).__name__}.register was called twice: call it once "
@@ -89,14 +97,27 @@ class TrainingOperator:
             if not isinstance(metric, keras.metrics.Metric):
                 raise TypeError(f"register: metrics must be keras.metrics.Metric objects, got "
                                 f"{type(metric).__name__}")
+        single_scheduler = schedulers is not None and not isinstance(schedulers, (list, tuple))
+        schedulers = [] if schedulers is None else [schedulers] if single_scheduler \
+            else list(schedulers)
+        if len(schedulers) > len(optimizers):
+            raise ValueError(f"register: {len(schedulers)} schedulers for {len(optimizers)} "
+                             "optimizer(s); scheduler i drives optimizer i")
+        for i, scheduler in enumerate(schedulers):
+            schedules.kind_of(scheduler, i)
+            schedules.check_optimizer(optimizers[i], i)
         if self._loss_scaling:
             optimizers = [o if isinstance(o, keras.optimizers.LossScaleOptimizer)
                           else keras.optimizers.LossScaleOptimizer(o) for o in optimizers]
         # Nothing is kept until every argument is checked: a failed register changes nothing.
         self._models, self._optimizers, self._loss, self._metrics = models, optimizers, loss, metrics
+        self._schedulers = schedulers
         self._registered = True
-        return (self._models[0] if single_model else tuple(self._models),
-                self._optimizers[0] if single_optimizer else tuple(self._optimizers))
+        out = (self._models[0] if single_model else tuple(self._models),
+               self._optimizers[0] if single_optimizer else tuple(self._optimizers))
+        if schedulers:
+            out += (schedulers[0] if single_scheduler else tuple(schedulers),)
+        return out
 
     def register_data(self, *, train_data=None, validation_data=None) -> None:
         """Register the data: each a `dsgd.Dataset`, a `ray.data.Dataset` (both fed
@@ -146,6 +167,7 @@ class TrainingOperator:
     models = property(lambda self: list(self._models))
     optimizers = property(lambda self: list(self._optimizers))
     loss = property(lambda self: self._loss)
+    schedulers = property(lambda self: list(self._schedulers))
     metrics = property(lambda self: list(self._metrics))
 
     @property
@@ -154,6 +176,14 @@ class TrainingOperator:
         if len(self._models) != 1:
             raise AttributeError(f"{len(self._models)} models are registered: use self.models")
         return self._models[0]
+
+    @property
+    def scheduler(self):
+        self._check_registered("scheduler")
+        if len(self._schedulers) != 1:
+            raise AttributeError(f"{len(self._schedulers)} schedulers are registered: use "
+                                 "self.schedulers")
+        return self._schedulers[0]
 
     @property
     def optimizer(self):
@@ -180,16 +210,19 @@ class TrainingOperator:
     @classmethod
     def from_creators(cls, model_creator: Callable, optimizer_creator: Callable,
                       data_creator: Callable, loss_creator: Callable | None = None,
-                      metrics_creator: Callable | None = None) -> type:
+                      metrics_creator: Callable | None = None,
+                      scheduler_creator: Callable | None = None) -> type:
         """An operator class from creator functions: `model_creator(config)` -> model
         (or a tuple), `optimizer_creator(model(s), config)` -> optimizer(s),
         `data_creator(config)` -> (train_data, validation_data),
-        `loss_creator(config)` -> loss, `metrics_creator(config)` -> metrics."""
+        `loss_creator(config)` -> loss, `metrics_creator(config)` -> metrics,
+        `scheduler_creator(optimizer(s), config)` -> scheduler(s)."""
         for name, fn in (("model_creator", model_creator), ("optimizer_creator", optimizer_creator),
                          ("data_creator", data_creator)):
             if not callable(fn):
                 raise TypeError(f"from_creators: {name} must be callable, got {type(fn).__name__}")
-        for name, fn in (("loss_creator", loss_creator), ("metrics_creator", metrics_creator)):
+        for name, fn in (("loss_creator", loss_creator), ("metrics_creator", metrics_creator),
+                         ("scheduler_creator", scheduler_creator)):
             if fn is not None and not callable(fn):
                 raise TypeError(f"from_creators: {name} must be callable or None, got "
                                 f"{type(fn).__name__}")
@@ -200,7 +233,9 @@ class TrainingOperator:
                 optimizers = optimizer_creator(models, config)
                 loss = loss_creator(config) if loss_creator else None
                 metrics = metrics_creator(config) if metrics_creator else None
-                self.register(models=models, optimizers=optimizers, loss=loss, metrics=metrics)
+                schedulers = scheduler_creator(optimizers, config) if scheduler_creator else None
+                self.register(models=models, optimizers=optimizers, loss=loss, metrics=metrics,
+                              schedulers=schedulers)
                 data = data_creator(config)
                 train, validation = data if isinstance(data, tuple) else (data, None)
                 self.register_data(train_data=train, validation_data=validation)

@@ -17,8 +17,10 @@ from dsgd.model import Model
 
 class OperatorReplica(Model):
     def __init__(self, operator_cls, config: dict, world_rank: int, world_size: int, device: str,
-                 loss_scaling: bool):
+                 loss_scaling: bool, step_freq: str = "epoch"):
         import tensorflow as tf
+
+        from dsgd.trainer import schedules
 
         self.operator = operator_cls(config, world_rank, world_size, device, loss_scaling)
         self.operator.setup(config)
@@ -28,6 +30,17 @@ class OperatorReplica(Model):
         self.loss_scaling = loss_scaling
         self.epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="dsgd_epoch")
         self.batch_idx = tf.Variable(0, dtype=tf.int64, trainable=False, name="dsgd_batch_idx")
+        # Schedulers (dsgd/trainer/schedules.py): the kind of each, and the last count
+        # each was stepped to (a repeated step or epoch start changes nothing).
+        self.step_freq = step_freq
+        self.schedulers = list(self.operator._schedulers)
+        self.scheduler_kinds = [schedules.kind_of(s, i) for i, s in enumerate(self.schedulers)]
+        self.scheduler_counts = [tf.Variable(-1, dtype=tf.int64, trainable=False,
+                                             name=f"dsgd_scheduler_{i}")
+                                 for i in range(len(self.schedulers))]
+        for i, kind in enumerate(self.scheduler_kinds):
+            if kind == "schedule":  # a schedule defines the rate before its first step too
+                self.set_learning_rate(i, float(self.schedulers[i](0)))
         self.info: dict = {}      # train()'s info, in train_batch's batch_info
         self.val_info: dict = {}  # validate()'s, in validate_batch's
         self._own = _shard(self.operator._train_data, world_rank, world_size)
@@ -44,9 +57,17 @@ class OperatorReplica(Model):
 
     def get_state_variables(self) -> list:
         """Checkpoints, broadcasts and the state a replacement worker copies: every
-        model's weights (non-trainable included), then the epoch and batch number
-        (last, so a plain Keras model still reads its weights by position)."""
-        return [v for m in self.operator._models for v in m.weights] + [self.epoch, self.batch_idx]
+        model's weights (non-trainable included), then the epoch, batch number and
+        each scheduler's last count (last, so a plain Keras model still reads its
+        weights by position)."""
+        return ([v for m in self.operator._models for v in m.weights]
+                + [self.epoch, self.batch_idx] + self.scheduler_counts)
+
+    def model_weights(self) -> list:
+        """Every model's weights, as numpy arrays (Trainer.get_model)."""
+        import numpy as np
+
+        return [np.array(v.numpy()) for m in self.operator._models for v in m.weights]
 
     def get_optimizer(self):
         optimizers = self.operator._optimizers
@@ -55,6 +76,8 @@ class OperatorReplica(Model):
     def get_loss(self, batch):
         import tensorflow as tf
 
+        if self.step_freq == "batch":
+            self._step_schedulers_in_graph()
         out = self.operator.train_batch(batch, self._batch_info(self.info))
         if not isinstance(out, dict) or "loss" not in out:
             raise ValueError(f"train_batch must return a dict with 'loss', got {out!r:.200}")
@@ -67,6 +90,9 @@ class OperatorReplica(Model):
                              f"{len(optimizers)} optimizers: one per optimizer")
         metrics = {k: v for k, v in out.items() if k not in ("loss", "num_samples")}
         metrics["train_loss"] = tf.add_n(objectives)
+        for i, optimizer in enumerate(optimizers):  # the rate this step applies
+            metrics.setdefault("lr" if i == 0 else f"lr_{i}",
+                               tf.cast(tf.identity(optimizer.learning_rate), tf.float32))
         if self.loss_scaling:  # what compile()/fit() would do; the optimizer unscales
             objectives = [o.scale_loss(x) for o, x in zip(optimizers, objectives)]
         with tf.control_dependencies(objectives):
@@ -93,13 +119,63 @@ class OperatorReplica(Model):
         total = int(self.operator._train_data.cardinality())
         return total // self.operator.world_size if total >= 0 else None
 
+    # -- schedulers ----------------------------------------------------------------------------
+    def _step_schedulers_in_graph(self) -> None:
+        """(inside the compiled step, freq "batch") Each schedule/callable scheduler
+        to the optimizer's applied-step count, unless already there."""
+        import tensorflow as tf
+
+        from dsgd.trainer.schedules import next_rate
+
+        for i, (scheduler, kind) in enumerate(zip(self.schedulers, self.scheduler_kinds)):
+            if kind == "plateau":
+                continue
+            optimizer, done = self.operator._optimizers[i], self.scheduler_counts[i]
+            count = tf.cast(optimizer.iterations, tf.int64)
+
+            def step(scheduler=scheduler, kind=kind, optimizer=optimizer, done=done, count=count):
+                lr = optimizer.learning_rate
+                new = next_rate(scheduler, kind, count, tf.convert_to_tensor(lr))
+                lr.assign(tf.cast(new, lr.dtype))
+                done.assign(count)
+                return tf.constant(True)
+
+            tf.cond(tf.not_equal(done, count), step, lambda: tf.constant(False))
+
+    def step_schedulers(self, count: int) -> None:
+        """(eager: freq "epoch" at an epoch start, "manual" at update_scheduler)
+        Each schedule/callable scheduler to `count`, unless already there."""
+        from dsgd.trainer.schedules import next_rate
+
+        for i, (scheduler, kind) in enumerate(zip(self.schedulers, self.scheduler_kinds)):
+            if kind == "plateau" or int(self.scheduler_counts[i].numpy()) == count:
+                continue
+            lr = float(self.operator._optimizers[i].learning_rate.numpy())
+            self.set_learning_rate(i, float(next_rate(scheduler, kind, count, lr)))
+            self.scheduler_counts[i].assign(count)
+
+    def set_learning_rate(self, i: int, value: float) -> None:
+        self.operator._optimizers[i].learning_rate.assign(value)
+
+    def learning_rates(self) -> list[float]:
+        return [float(o.learning_rate.numpy()) for o in self.operator._optimizers]
+
+    def plateaus(self) -> dict[int, object]:
+        """{optimizer index: ReduceLROnPlateau} (the driver steps copies of them)."""
+        return {i: s for i, (s, k) in enumerate(zip(self.schedulers, self.scheduler_kinds))
+                if k == "plateau"}
+
     # -- per epoch / per call --------------------------------------------------------------
     def start_epoch(self, epoch: int, info: dict | None) -> bool:
-        """Set the epoch, restart batch numbering and the own-data iterator. Returns
-        True when `info` changed (the caller retraces the compiled step)."""
+        """Set the epoch, restart batch numbering and the own-data iterator, step
+        the schedulers (freq "epoch": to the 0-based epoch, as Keras's
+        LearningRateScheduler). Returns True when `info` changed (the caller
+        retraces the compiled step)."""
         self.epoch.assign(epoch)
         self.batch_idx.assign(0)
         self._iterator = None
+        if self.step_freq == "epoch":
+            self.step_schedulers(epoch - 1)
         return self.set_info(info)
 
     def set_info(self, info: dict | None) -> bool:
@@ -120,12 +196,14 @@ class OperatorReplica(Model):
             self.val_info = dict(info or {})
             self._validate_fn = None
 
-    def validate(self, batch) -> dict[str, float]:
-        """The compiled validate_batch on one batch (numpy or tensors)."""
+    def validate(self, batch, eager: bool = False) -> dict[str, float]:
+        """The compiled validate_batch on one batch (numpy or tensors); with
+        `eager` (local mode) not compiled."""
         import tensorflow as tf
 
         if self._validate_fn is None:
-            self._validate_fn = tf.function(self._validate_graph, reduce_retracing=True)
+            self._validate_fn = (self._validate_graph if eager
+                                 else tf.function(self._validate_graph, reduce_retracing=True))
         out = self._validate_fn(tf.nest.map_structure(tf.convert_to_tensor, batch))
         return {k: float(v) for k, v in out.items()}
 
@@ -173,13 +251,14 @@ def validate_share(worker, source: tuple, num_steps: int | None, info: dict | No
     from dsgd.data.batching import num_rows
 
     replicas = worker.replicas.replicas
+    eager = worker.replicas.eager
     tally = {"num_samples": 0, "batch_count": 0, "sums": {}, "last": {}}
 
     def run(replica, batch):
         rows = num_rows(batch)
         if rows == 0:
             return
-        out = replica.validate(batch)
+        out = replica.validate(batch, eager)
         tally["num_samples"] += rows
         for key, value in out.items():
             tally["sums"][key] = tally["sums"].get(key, 0.0) + value * rows

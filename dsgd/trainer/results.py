@@ -11,6 +11,11 @@ _ENGINE_KEYS = ("loss", "train_loss")
 _SUMMED = ("dropped_batches", "dropped_samples")
 
 
+def _is_lr(key: str) -> bool:
+    """A learning rate the step reports ("lr", "lr_1", ...): the epoch's last, not a mean."""
+    return key == "lr" or (key.startswith("lr_") and key[3:].isdigit())
+
+
 def worker_means(worker: dict) -> dict[str, float]:
     """A worker's sample-weighted means of its per-batch values (batches counted
     as one sample each when they report no samples, as the engine then weighs them)."""
@@ -29,7 +34,8 @@ def train_results(summary: dict, epoch: int, reduce_results: bool, profile: bool
                "dropped_samples": worker.get("dropped_samples", 0),
                "train_loss": means.get("train_loss", means.get("loss")),
                "last_train_loss": worker["last"].get("train_loss", worker["last"].get("loss"))}
-        row.update({k: v for k, v in means.items() if k not in _ENGINE_KEYS})
+        row.update({k: v for k, v in means.items() if k not in _ENGINE_KEYS and not _is_lr(k)})
+        row.update({k: v for k, v in worker["last"].items() if _is_lr(k)})
         per_worker.append(row)
     extra = {}
     if profile:
@@ -72,6 +78,9 @@ def reduce(rows: list[dict], epoch) -> dict:
     keys = list(dict.fromkeys(k for r in rows for k in r
                               if k not in ("epoch", "num_samples", "batch_count") + _SUMMED))
     for key in keys:
+        if _is_lr(key):  # the same on every worker
+            merged[key] = next((r[key] for r in rows if r.get(key) is not None), None)
+            continue
         weighted = [(r[key], r["num_samples"]) for r in rows if r.get(key) is not None]
         weight = sum(n for _, n in weighted)
         merged[key] = (sum(v * n for v, n in weighted) / weight if weight

@@ -26,6 +26,7 @@ from dsgd.engine.sgd import DistributedSGD
 from dsgd.trainer import results
 from dsgd.trainer.operator import BATCH_SIZE, TrainingOperator
 from dsgd.trainer.replica import OperatorReplica, validate_share
+from dsgd.trainer.schedules import STEP_FREQS
 
 logger = logging.getLogger("dsgd")
 
@@ -51,6 +52,20 @@ class Trainer:
             on CPU). Variables stay float32 either way.
         initialization_hook: called with no arguments in every worker process
             before `setup` (e.g. to set environment variables).
+        scheduler_step_freq: when the registered schedulers step: "epoch" (at
+            the start of every epoch, with the 0-based epoch, as Keras's
+            LearningRateScheduler), "batch" (before every step, with the
+            optimizer's applied steps, as a Keras optimizer reads a
+            LearningRateSchedule) or "manual" (at `update_scheduler()`).
+            `dsgd.ReduceLROnPlateau` rules are checked whenever their metric is
+            reported (after `validate()` for "val_" metrics, after `train()`
+            otherwise), or at `update_scheduler(metric)` with "manual".
+        local: run the one worker (num_workers=1) in this process, its steps
+            eager (not compiled), so that `breakpoint()` or a debugger in
+            `setup`, `train_batch` or `validate_batch` stops here, with tensor
+            values; the same code path for batches, metrics, schedulers and
+            checkpoints, and the same weights as one worker actor. For
+            debugging: slower than an actor, and no failure recovery.
         logdir: write TensorBoard scalars there (train_loss, samples_per_s,
             val_*) after every `train()`/`validate()`, step = epoch.
         **engine_options: passed to `DistributedSGD` (`step_timeout_s`,
@@ -65,11 +80,20 @@ class Trainer:
     def __init__(self, training_operator_cls: type, num_workers: int = 1, use_gpu: bool = False,
                  devices_per_worker: int = 1, config: dict | None = None, strategy: str = "ps",
                  use_fp16: bool | str = False, initialization_hook: Callable | None = None,
-                 logdir: str | None = None, **engine_options):
+                 logdir: str | None = None, scheduler_step_freq: str = "epoch",
+                 local: bool = False, **engine_options):
         if not (isinstance(training_operator_cls, type)
                 and issubclass(training_operator_cls, TrainingOperator)):
             raise TypeError("training_operator_cls must be a dsgd.TrainingOperator subclass, got "
                             f"{training_operator_cls!r}")
+        if scheduler_step_freq not in STEP_FREQS:
+            raise ValueError(f"scheduler_step_freq must be one of {list(STEP_FREQS)}, got "
+                             f"{scheduler_step_freq!r}")
+        if not isinstance(local, bool):
+            raise TypeError(f"local must be True or False, got {local!r}")
+        if local and num_workers != 1:
+            raise ValueError(f"local=True runs one worker in this process: num_workers must be "
+                             f"1, got {num_workers!r}")
         if use_fp16 not in PRECISIONS:
             raise ValueError(f"use_fp16 must be one of {list(PRECISIONS)}, got {use_fp16!r}")
         if initialization_hook is not None and not callable(initialization_hook):
@@ -84,19 +108,24 @@ class Trainer:
         self.operator_cls = training_operator_cls
         self._replica_config = _replica_config(self.config, num_workers, devices_per_worker)
         self.precision = PRECISIONS[use_fp16]
+        self.scheduler_step_freq, self.local = scheduler_step_freq, local
         scaling = self.precision == "mixed_float16"
         engine_options.setdefault("replace_hung", True)
         if scaling:  # LossScaleOptimizer skips overflowing steps itself, on every replica alike
             engine_options.setdefault("on_nonfinite", "ignore")
         world = num_workers * devices_per_worker
         creator = _ReplicaCreator(training_operator_cls, self._replica_config, devices_per_worker,
-                                  world, use_gpu, scaling)
+                                  world, use_gpu, scaling, scheduler_step_freq)
+        if local:
+            engine_options["local"] = True
         self.sgd = DistributedSGD(creator, num_workers, devices_per_worker, gpu=use_gpu,
                                   strategy=strategy,
                                   worker_init=_WorkerInit(initialization_hook, self.precision),
                                   **engine_options)
         try:
             train, validation = self.sgd.for_model(_registered_data)
+            # The driver steps the plateau rules (on the reported, averaged metrics).
+            self._plateaus = self.sgd.for_model(lambda m: m.plateaus())
             self._train_data = self._driver_data(train, "train_data")
             self._validation_data = self._driver_data(validation, "validation_data")
         except BaseException:
@@ -107,6 +136,7 @@ class Trainer:
         self._writer = None
         self._driver_operator = None
         self._info: dict | None = None
+        self._scheduler_updates = 0  # update_scheduler() calls ("manual")
         # A replaced worker copies weights, optimizer state, epoch and batch number from
         # a survivor (get_state_variables); give it train()'s info too.
         self.sgd.on_workers_changed.append(self._resend_info)
@@ -137,11 +167,13 @@ class Trainer:
                                  desc=f"epoch {epoch}")
         result = results.train_results(summary, epoch, reduce_results, profile)
         reduced = result if reduce_results else results.train_results(summary, epoch, True, False)
-        scalars = {"train_loss": reduced["train_loss"], "samples_per_s": summary["samples_per_s"]}
+        scalars = {"train_loss": reduced["train_loss"], "samples_per_s": summary["samples_per_s"],
+                   "lr": reduced.get("lr")}
         if self.sgd.config.backup_workers:
             scalars.update(dropped_batches=summary["dropped_batches"],
                            dropped_samples=summary["dropped_samples"])
         self._log(scalars)
+        self._check_plateaus(reduced, on_validation=False)
         return result
 
     def validate(self, num_steps: int | None = None, profile: bool = False,
@@ -167,7 +199,50 @@ class Trainer:
         reduced = result if reduce_results else results.validation_results(
             tallies, metrics, True, 0.0, False)
         self._log({k: v for k, v in reduced.items() if k.startswith("val_")})
+        self._check_plateaus(reduced, on_validation=True)
         return result
+
+    # -- schedulers ----------------------------------------------------------------------------
+    def update_scheduler(self, metric: float | None = None) -> None:
+        """With scheduler_step_freq="manual": step every registered scheduler once
+        on every replica (the k-th call steps schedules and callables to count
+        k) and check every ReduceLROnPlateau rule with `metric` (required when
+        one is registered). Blocks."""
+        if self.scheduler_step_freq != "manual":
+            raise ValueError("update_scheduler() is for scheduler_step_freq='manual'; this "
+                             f"Trainer steps its schedulers per {self.scheduler_step_freq}")
+        if self._plateaus and metric is None:
+            raise ValueError("update_scheduler(metric): a ReduceLROnPlateau is registered and "
+                             "needs the metric's value")
+        self._scheduler_updates += 1
+        count = self._scheduler_updates
+        self.sgd.foreach_model(lambda m: m.step_schedulers(count))
+        for i, plateau in self._plateaus.items():
+            self._step_plateau(i, plateau, metric)
+
+    def learning_rates(self) -> list[float]:
+        """Each optimizer's learning rate now (every replica holds the same)."""
+        return self.sgd.for_model(lambda m: m.learning_rates())
+
+    def _check_plateaus(self, reported: dict, on_validation: bool) -> None:
+        if self.scheduler_step_freq == "manual":
+            return
+        for i, plateau in self._plateaus.items():
+            if plateau.on_validation != on_validation:
+                continue
+            if reported.get(plateau.monitor) is None:
+                raise ValueError(f"{plateau!r} (schedulers[{i}]): "
+                                 f"{'validate' if on_validation else 'train'}() reports no "
+                                 f"{plateau.monitor!r}; it reports "
+                                 f"{sorted(k for k in reported if not k.startswith('last_'))}")
+            self._step_plateau(i, plateau, reported[plateau.monitor])
+
+    def _step_plateau(self, i: int, plateau, value: float) -> None:
+        new = plateau.step(value, self.learning_rates()[i])
+        if new is not None:
+            logger.info("ReduceLROnPlateau: %s did not improve; optimizer %d's learning rate "
+                        "is now %.3g", plateau.monitor, i, new)
+            self.sgd.foreach_model(lambda m: m.set_learning_rate(i, new))
 
     # -- state -------------------------------------------------------------------------------
     def save(self, path: str) -> str:
@@ -180,12 +255,20 @@ class Trainer:
         except TypeError as e:
             raise TypeError(f"{self.operator_cls.__name__}.state_dict() must return JSON-"
                             f"serialisable values (numbers, strings, lists, dicts): {e}") from None
-        return self.sgd.save_checkpoint(path, extra={"epoch": self.epoch, "operator": state})
+        schedulers = {"updates": self._scheduler_updates,
+                      "plateaus": {str(i): p.state_dict() for i, p in self._plateaus.items()}}
+        return self.sgd.save_checkpoint(path, extra={"epoch": self.epoch, "operator": state,
+                                                     "schedulers": schedulers})
 
     def load(self, path: str) -> None:
         """Restore what `save` wrote (any number of workers)."""
         extra = self.sgd.restore_checkpoint(path) or {}
         self.epoch = int(extra.get("epoch", 0))
+        schedulers = extra.get("schedulers", {})
+        self._scheduler_updates = int(schedulers.get("updates", 0))
+        for i, plateau_state in schedulers.get("plateaus", {}).items():
+            if int(i) in self._plateaus:
+                self._plateaus[int(i)].load_state_dict(plateau_state)
         state = extra.get("operator", {})
         self.sgd.foreach_model(lambda m: m.operator.load_state_dict(state))
 
@@ -198,9 +281,7 @@ class Trainer:
             self._driver_operator = operator
         models = self._driver_operator._models
         flat = [v for model in models for v in model.weights]
-        # The replica's state variables: the models' weights, then epoch and batch_idx.
-        weights = self.sgd.for_model(
-            lambda m: [np.array(v.numpy()) for v in m.get_state_variables()[:-2]])
+        weights = self.sgd.for_model(lambda m: m.model_weights())
         for variable, value in zip(flat, weights, strict=True):
             variable.assign(value)
         return models[0] if len(models) == 1 else list(models)
@@ -287,16 +368,17 @@ class Trainer:
 class _ReplicaCreator:
     """model_creator of the Trainer's DistributedSGD (pickled to the workers)."""
 
-    def __init__(self, operator_cls, config, devices_per_worker, world_size, gpu, loss_scaling):
+    def __init__(self, operator_cls, config, devices_per_worker, world_size, gpu, loss_scaling,
+                 step_freq):
         self.operator_cls, self.config = operator_cls, config
         self.devices_per_worker, self.world_size = devices_per_worker, world_size
-        self.gpu, self.loss_scaling = gpu, loss_scaling
+        self.gpu, self.loss_scaling, self.step_freq = gpu, loss_scaling, step_freq
 
     def __call__(self, worker_index: int, device_index: int) -> OperatorReplica:
         device = f"/device:{'GPU' if self.gpu else 'CPU'}:{device_index}"
         rank = worker_index * self.devices_per_worker + device_index
         return OperatorReplica(self.operator_cls, dict(self.config), rank, self.world_size, device,
-                               self.loss_scaling)
+                               self.loss_scaling, self.step_freq)
 
 
 class _WorkerInit:

@@ -31,6 +31,7 @@ class Replicas:
         self.all_reduce_alg = all_reduce_alg
         self.replicas: list[Model] = []
         self.plan: ShardPlan | None = None
+        self.eager = False  # local mode: steps run uncompiled (dsgd/engine/local.py)
 
     def setup(self) -> dict:
         """Configure devices and build the replicas. Returns the variable signature
@@ -124,9 +125,12 @@ class Replicas:
         when what get_loss reads at trace time has changed."""
         import tensorflow as tf
 
-        self._local_step_fn = tf.function(self._local_step_graph, reduce_retracing=True)
-        self._compute_fn = tf.function(self._compute_graph, reduce_retracing=True)
-        self._apply_fn = tf.function(self._apply_graph, reduce_retracing=True)
+        def compiled(fn):  # eager in local mode (dsgd/engine/local.py): for debuggers
+            return fn if self.eager else tf.function(fn, reduce_retracing=True)
+
+        self._local_step_fn = compiled(self._local_step_graph)
+        self._compute_fn = compiled(self._compute_graph)
+        self._apply_fn = compiled(self._apply_graph)
         self._stages: dict = {}  # shard groups -> [_Stage], for apply_stage
 
     def local_step(self, batches: list | None = None):
