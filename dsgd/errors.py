@@ -10,12 +10,15 @@ class StepTimeoutError(DsgdError, TimeoutError):
     `late` holds the actor handles that did not answer (empty when the wait
     was not on actors), which the driver kills and replaces with replace_hung."""
 
-    def __init__(self, message: str, late=()):
+    def __init__(self, message: str, late=(), late_workers=(), late_ps=()):
         super().__init__(message)
         self.late = list(late)
+        # Raised in a worker (a custom epoch's exchange): who did not arrive, by
+        # worker position and PS index; the driver turns them into `late`.
+        self.late_workers, self.late_ps = list(late_workers), list(late_ps)
 
-    def __reduce__(self):
-        return type(self), (str(self),)  # handles do not travel with the error
+    def __reduce__(self):  # handles do not travel with the error; indices do
+        return type(self), (str(self), (), self.late_workers, self.late_ps)
 
 
 class ResourceError(DsgdError, ValueError):

@@ -222,3 +222,47 @@ def validation_loss(model) -> float:
     vx, vy = classification(30, 1)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     return float(np.mean(loss_fn(vy, model(vx, training=False))))
+
+
+class CustomEpochClassifier(Classifier):
+    """The classifier with its own train_epoch (train_step per batch) and validate."""
+
+    def train_epoch(self, iterator, info):
+        meters = dsgd.AverageMeterCollection()
+        for batch in iterator:
+            meters.update(self.train_step(batch))
+        return dict(meters.summary(), epoch_seen=info["epoch"])
+
+    def validate(self, iterator, info):
+        import keras
+
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+        total, n = 0.0, 0
+        for x, y in iterator:
+            total += float(loss_fn(y, self.model(x, training=False)))
+            n += len(y)
+        return {"val_loss_custom": total / max(n, 1), "num_samples": n}
+
+
+class CustomEpochTfData(TfDataClassifier):
+    train_epoch = CustomEpochClassifier.train_epoch
+
+
+class FlakyCustomEpoch(CustomEpochClassifier):
+    """A custom epoch whose worker is killed (or hangs) at its 3rd batch, once."""
+
+    def setup(self, config):
+        super().setup(config)
+        x, y = classification(64, 0)
+        self.register_data(train_data=dsgd.Dataset(
+            list(zip(x, y)), transform=Misbehave(config["action"], config["marker"], 3)))
+
+
+class CustomEpochGan(Gan):
+    """The tiny GAN with a custom train_epoch (the seed's multi-model way)."""
+
+    def train_epoch(self, iterator, info):
+        meters = dsgd.AverageMeterCollection()
+        for batch in iterator:
+            meters.update(self.train_step(batch))
+        return meters.summary()

@@ -6,12 +6,15 @@ state, so any PS can serve any group and a dead one can simply be replaced.
 Both front-ends start this one class, placed by `ps_options`/`ps_nodes`:
 
 - the engine's driver calls `mean` once every worker has written the group
-  (a plain actor: one call at a time, so `mean` reuses its output buffers);
-- in the Ray Train backend (dsgd/train) there is no driver in the step: each
-  worker calls `reduce` (or `broadcast`) itself, and the call blocks until all
-  `world` workers' parts of that exchange have arrived. That actor is started
-  with `max_concurrency` above the number of calls that can wait at once
-  (`rendezvous_concurrency`), so waiting calls do not block each other.
+  (one call at a time in the actor's default concurrency group, so `mean`
+  reuses its output buffers);
+- in the Ray Train backend (dsgd/train), and in a Trainer's custom epochs
+  (dsgd/trainer/custom.py), there is no driver in the step: each worker calls
+  `reduce` (or `broadcast`) itself, and the call blocks until all `world`
+  workers' parts of that exchange have arrived. Those methods run in the
+  RENDEZVOUS concurrency group, with more threads than calls that can wait at
+  once (`rendezvous_concurrency`), so waiting calls do not block each other
+  (nor `mean`).
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import ray
 
 from dsgd import constants
 from dsgd.comm import store
 from dsgd.comm.means import mean_shard, split_group
 from dsgd.comm.sharding import Shard
+
+
+RENDEZVOUS = "rendezvous"  # the concurrency group of the workers' own exchanges
 
 
 def rendezvous_concurrency(world: int) -> int:
@@ -95,6 +102,7 @@ class ParameterServer:
         return tuple(out)
 
     # -- Ray Train: the workers call, the PS matches their calls ---------------
+    @ray.method(concurrency_group=RENDEZVOUS)
     def reduce(self, seq: int, rank: int, world: int, shards: tuple[Shard, ...],
                pieces: tuple[np.ndarray, ...], scale: float | None = None) -> tuple:
         """Worker `rank`'s part of exchange `seq`: its pieces of a group of shards
@@ -116,21 +124,32 @@ class ParameterServer:
 
         return self._rendezvous(("reduce", seq), rank, world, pieces, range(world), combine)
 
+    @ray.method(concurrency_group=RENDEZVOUS)
     def broadcast(self, seq: int, rank: int, world: int, root: int, values):
         """Rank `root`'s `values` (the others pass None), returned to every rank;
         blocks until the root's call arrived (same timeout as `reduce`)."""
         return self._rendezvous(("broadcast", seq), rank, world, values, (root,),
                                 lambda parts: parts[root])
 
+    @ray.method(concurrency_group=RENDEZVOUS)
     def gather(self, seq: int, rank: int, world: int, value):
         """Every rank's `value`, in rank order, returned to every rank; blocks
         until all `world` ranks' calls arrived (same timeout as `reduce`)."""
         return self._rendezvous(("gather", seq), rank, world, value, range(world),
                                 lambda parts: [parts[r] for r in range(world)])
 
+    @ray.method(concurrency_group=RENDEZVOUS)
+    def missing_ranks(self, kind: str, seq: int) -> list[int]:
+        """The ranks whose part of exchange (`kind`, `seq`) has not arrived here
+        ([] if no part of it has)."""
+        with self._arrivals:
+            meeting = self._pending.get((kind, seq))
+            return [] if meeting is None else sorted(set(meeting.needed) - set(meeting.parts))
+
     def _rendezvous(self, key: tuple, rank: int, world: int, part, needed, combine):
         with self._arrivals:
             meeting = self._pending.setdefault(key, _Rendezvous())
+            meeting.needed = tuple(needed)
             meeting.parts[rank] = part
             last = not meeting.combining and all(r in meeting.parts for r in needed)
             meeting.combining = meeting.combining or last
@@ -159,9 +178,10 @@ class ParameterServer:
 class _Rendezvous:
     """One exchange's meeting on a PS: the parts that arrived, then the result."""
 
-    __slots__ = ("parts", "combining", "done", "result", "error", "served")
+    __slots__ = ("parts", "combining", "done", "result", "error", "served", "needed")
 
     def __init__(self):
+        self.needed: tuple = ()
         self.parts: dict = {}
         self.combining = self.done = False
         self.result = self.error = None
@@ -180,6 +200,13 @@ def ps_options(node_id: str) -> dict:
 
     return {"num_cpus": constants.PS_NUM_CPUS, "runtime_env": constants.ACTOR_RUNTIME_ENV,
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def ps_actor_class(cls=None, world: int = 1):
+    """`ray.remote` of the PS class with its RENDEZVOUS concurrency group sized for
+    `world` workers (Ray takes concurrency groups at ray.remote, not .options)."""
+    return ray.remote(concurrency_groups={RENDEZVOUS: rendezvous_concurrency(world)})(
+        cls or ParameterServer)
 
 
 def ps_nodes(ps_indices: list[int], worker_nodes: list[str]) -> list[str]:

@@ -14,7 +14,7 @@ import threading
 
 from dsgd import constants
 from dsgd.comm import waits
-from dsgd.comm.param_server import ParameterServer
+from dsgd.comm.param_server import ParameterServer, ps_actor_class
 from dsgd.errors import DsgdError, StepTimeoutError
 from dsgd.worker.worker import Worker
 
@@ -31,10 +31,12 @@ class ActorSet:
         stall_s: interval of stall reports while a wait is pending.
         worker_cls, ps_cls: the actor classes (a seam for tests).
         local: the workers run in this process (dsgd/engine/local.py).
+        ps_world: the most workers a PS serves (sizes its rendezvous threads).
     """
 
     def __init__(self, worker_args: tuple, worker_options: dict, suffix: str, stall_s: float,
-                 worker_cls=Worker, ps_cls=ParameterServer, local: bool = False):
+                 worker_cls=Worker, ps_cls=ParameterServer, local: bool = False,
+                 ps_world: int = 1):
         import ray
 
         from dsgd.engine.local import LocalActorClass
@@ -44,7 +46,7 @@ class ActorSet:
         self.suffix = suffix
         self.stall_s = stall_s
         self._worker_cls = LocalActorClass(worker_cls) if local else ray.remote(worker_cls)
-        self._ps_cls = ray.remote(ps_cls)
+        self._ps_cls = ps_actor_class(ps_cls, ps_world)
         self._slots: list[int] = []     # worker slot of self._workers[k]
         self._workers: list = []
         self._infos: dict[int, dict] = {}  # slot -> what its setup reported
@@ -179,17 +181,19 @@ class ActorSet:
         if "pid" in info and "node_id" in info:
             self._processes[id(handle)] = (info["node_id"], int(info["pid"]))
 
-    def start_ps(self, indices: list[int], node_ids: list[str], warm_store_bytes: int = 0) -> list:
+    def start_ps(self, indices: list[int], node_ids: list[str], warm_store_bytes: int = 0,
+                 rendezvous_timeout_s: float = constants.DEFAULT_STEP_TIMEOUT_S) -> list:
         """Create PS actors `indices`, PS j on node `node_ids[k]` (dsgd/comm/param_server.py
-        `ps_options`), each warming `warm_store_bytes` of its store mapping. Returns
-        their handles."""
+        `ps_options`), each warming `warm_store_bytes` of its store mapping; their
+        workers' own exchanges (a Trainer's custom epochs: `reduce`) wait at most
+        `rendezvous_timeout_s`. Returns their handles."""
         from dsgd.comm.param_server import ps_options
 
         handles = []
         for j, node_id in zip(indices, node_ids):
             name = self._name(constants.PS_NAME_PREFIX, j)
             handle = self._ps_cls.options(name=name, **ps_options(node_id)).remote(
-                j, warm_store_bytes)
+                j, warm_store_bytes, rendezvous_timeout_s)
             with self._lock:
                 self._keep(handle, name)
                 while len(self._ps) <= j:

@@ -153,7 +153,7 @@ class DistributedSGD:
         self._actors = ActorSet(
             (model_creator, devices_per_worker, gpu, all_reduce_alg, worker_init),
             {} if config.local else launch.worker_options(config), uuid.uuid4().hex[:6],
-            config.stall_report_s, local=config.local)
+            config.stall_report_s, local=config.local, ps_world=config.num_workers)
         self._progress = Progress()
         self._feeds = Feeds(constants.DATA_FEEDS_KEPT)
         try:
@@ -360,6 +360,19 @@ class DistributedSGD:
         after a replacement, like `foreach_worker`."""
         return self._retried("for_model", lambda w: ([w[0].foreach_model.remote(fn)], w[:1]))[0][0]
 
+    def _late_by_index(self, error: StepTimeoutError, workers: list) -> StepTimeoutError:
+        """A StepTimeoutError raised in a worker names who did not arrive by worker
+        position and PS index (handles do not travel): the same error with the
+        driver's handles in `late`, so that recovery kills and replaces them."""
+        cause = getattr(error, "cause", error)  # a RayTaskError carries the worker's error
+        if getattr(error, "late", None) or not (getattr(cause, "late_workers", None)
+                                                or getattr(cause, "late_ps", None)):
+            return error
+        ps = self._actors.ps
+        late = [workers[i] for i in cause.late_workers if i < len(workers)]
+        late += [ps[j] for j in cause.late_ps if j < len(ps) and ps[j] is not None]
+        return StepTimeoutError(str(cause), late)
+
     def run_on_workers(self, fn: Callable[..., Any], per_worker: list, *args,
                        timeout_s: float | None = None, what: str = "run_on_workers") -> list:
         """fn(worker, per_worker[k], *args) on worker k, in worker order (the
@@ -472,6 +485,8 @@ class DistributedSGD:
                 return self._wait(refs, owners, what, timeout_s)
             except (*actor_died_errors(), StepTimeoutError) as e:
                 hung = isinstance(e, StepTimeoutError)
+                if hung:
+                    e = self._late_by_index(e, owners)
                 if attempt or (hung and not (self.config.replace_hung and e.late)):
                     raise
                 self._recovery.recover(e, call=what)

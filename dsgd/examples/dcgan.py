@@ -1,6 +1,11 @@
 """A small DCGAN on the offline MNIST digits with `dsgd.Trainer`: two models, two
 optimizers, one custom `train_batch` computing both losses (the seed's
-multi-model case); both models' gradients go through the same exchange.
+multi-model case); both models' gradients go through the same exchange. The
+operator also writes its own epoch (`train_epoch`: the steps, averaged with
+`dsgd.AverageMeterCollection`, then how real the generator's digits from a
+fixed noise batch look to the discriminator) and its own validation
+(`validate`: the discriminator's accuracy on held-out real digits against
+generated ones), as the seed's GAN example does.
 
     python -m dsgd.examples.dcgan [--num-workers 2] [--epochs 15] [--out digits.png]
 
@@ -61,9 +66,42 @@ class GanOperator(dsgd.TrainingOperator):
             optimizers=(keras.optimizers.Adam(config.get("lr_d", 2e-4), beta_1=0.5),
                         keras.optimizers.Adam(config.get("lr_g", 1e-3), beta_1=0.5)))
         self.bce = keras.losses.BinaryCrossentropy(from_logits=True)
-        x_train, _, _, _ = mnist.load_mnist()
+        x_train, _, x_test, _ = mnist.load_mnist()
         images = list(np.round(x_train * 255).astype(np.uint8))
-        self.register_data(train_data=dsgd.Dataset(images, transform=to_unit_range, shuffle=True))
+        held_out = list(np.round(x_test * 255).astype(np.uint8))
+        self.register_data(train_data=dsgd.Dataset(images, transform=to_unit_range, shuffle=True),
+                           validation_data=dsgd.Dataset(held_out, transform=to_unit_range,
+                                                        batch_size=100))
+        self.fixed_noise = np.random.default_rng(1).normal(size=(64, LATENT)).astype(np.float32)
+
+    def train_epoch(self, iterator, info):
+        """Every step of all workers (train_step: train_batch's two losses, each
+        model's gradient averaged over all replicas), then one number of the
+        epoch's end: D's mean belief that G's digits from fixed noise are real."""
+        import tensorflow as tf
+
+        meters = dsgd.AverageMeterCollection()
+        for batch in iterator:
+            meters.update(self.train_step(batch))
+        result = meters.summary()
+        fake = self.generator(self.fixed_noise, training=False)
+        result["d_fixed_fake"] = float(tf.reduce_mean(tf.sigmoid(
+            self.discriminator(fake, training=False))))
+        return result
+
+    def validate(self, iterator, info):
+        """The discriminator's accuracy on this worker's share of held-out real
+        digits and as many generated ones (weighted by samples across workers)."""
+        import tensorflow as tf
+
+        correct = total = 0
+        for k, real in enumerate(iterator):
+            noise = tf.random.stateless_normal([len(real), LATENT], seed=[7, k])
+            fake = self.generator(noise, training=False)
+            correct += int(tf.reduce_sum(tf.cast(self.discriminator(real) > 0, tf.int32)))
+            correct += int(tf.reduce_sum(tf.cast(self.discriminator(fake) <= 0, tf.int32)))
+            total += 2 * len(real)
+        return {"val_d_accuracy": correct / max(total, 1), "num_samples": total}
 
     def train_batch(self, batch, batch_info):
         import tensorflow as tf
@@ -114,9 +152,14 @@ def main(argv=None) -> dict:
                       config={dsgd.BATCH_SIZE: args.batch_size}) as trainer:
         for _ in range(args.epochs):
             result = trainer.train()
-            history.append({k: result[k] for k in ("epoch", "loss_d", "loss_g", "d_real")})
+            validation = trainer.validate()
+            history.append({k: result[k] for k in ("epoch", "loss_d", "loss_g", "d_real",
+                                                   "d_fixed_fake")})
+            history[-1]["val_d_accuracy"] = validation["val_d_accuracy"]
             print(f"epoch {result['epoch']}: loss_d {result['loss_d']:.3f}, loss_g "
-                  f"{result['loss_g']:.3f}, D(real) {result['d_real']:.3f}", flush=True)
+                  f"{result['loss_g']:.3f}, D(real) {result['d_real']:.3f}, D(G(fixed)) "
+                  f"{result['d_fixed_fake']:.3f}, D accuracy (held out) "
+                  f"{validation['val_d_accuracy']:.3f}", flush=True)
         discriminator, generator = trainer.get_model()
     noise = np.random.default_rng(0).normal(size=(32, LATENT)).astype(np.float32)
     images = generator.predict(noise, verbose=0)

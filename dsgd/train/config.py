@@ -71,10 +71,9 @@ class DsgdBackend(Backend):
         self.ps: list = []
 
     def on_start(self, worker_group, backend_config: DsgdConfig) -> None:
-        import ray
 
-        from dsgd.comm.param_server import (ParameterServer, ps_nodes, ps_options,
-                                            rendezvous_concurrency)
+        from dsgd.comm.param_server import (ParameterServer, ps_actor_class, ps_nodes,
+                                            ps_options, rendezvous_concurrency)
         from dsgd.comm.waits import get_all
         from dsgd.train.exchange import install
 
@@ -84,7 +83,7 @@ class DsgdBackend(Backend):
         run = uuid.uuid4().hex[:6]
         names = [f"{constants.PS_NAME_PREFIX}{j}-{run}" for j in range(num_ps)]
         nodes = ps_nodes(list(range(num_ps)), [w.metadata.node_id for w in workers])
-        remote = ray.remote(ParameterServer)
+        remote = ps_actor_class(ParameterServer, len(workers))
         self.ps = [remote.options(name=name, max_concurrency=rendezvous_concurrency(len(workers)),
                                   **ps_options(node)).remote(
             j, rendezvous_timeout_s=backend_config.timeout_s)

@@ -37,6 +37,7 @@ class TrainingOperator:
         self._schedulers: list = []
         self._train_data = self._validation_data = None
         self._registered = self._data_registered = False
+        self._stepper = None  # set while a custom train_epoch runs (dsgd/trainer/custom.py)
 
     # -- to implement -----------------------------------------------------------------
     def setup(self, config: dict) -> None:
@@ -151,6 +152,46 @@ class TrainingOperator:
         for metric in self._metrics:
             metric.update_state(y, predictions)
         return {"val_loss": self._mean_loss(y, predictions)}
+
+    # -- per epoch (override for custom epochs) ---------------------------------------------
+    def train_epoch(self, iterator, info: dict) -> dict:
+        """One epoch on this worker. Override it for a custom epoch (the seed's
+        `train_epoch`): it then runs in every worker at once, on replica 0's
+        operator, and `iterator` yields this worker's batches (as many on every
+        worker; each is split among the worker's replicas by `train_step`).
+        Call `self.train_step(batch)` for each step of all workers: every worker
+        must call it equally often. `info`: {"epoch", ...train()'s info}.
+        Return a dict of numbers (add "num_samples" to weight the average over
+        workers); `dsgd.AverageMeterCollection` averages per-batch values. Not
+        overridden, the Trainer runs the engine's own epoch (faster: the next
+        step is sent while one is applied) with `train_batch`; this default is
+        the same loop written with `train_step`."""
+        from dsgd.trainer.meters import AverageMeterCollection
+
+        meters = AverageMeterCollection()
+        for batch in iterator:
+            meters.update(self.train_step(batch))
+        return meters.summary()
+
+    def train_step(self, batch) -> dict:
+        """(inside a custom `train_epoch`) One synchronous step of all workers on
+        this worker's `batch`: the compiled gradient of `train_batch`'s loss(es)
+        on each replica's share, the mean over every replica of every worker
+        (through the PS actors), the optimizers' update. Blocks until applied.
+        Returns this worker's {"loss", train_batch's metrics, "num_samples"}."""
+        if self._stepper is None:
+            raise RuntimeError("train_step runs one step of every worker at once: call it "
+                               "inside train_epoch, which the Trainer runs on every worker")
+        return self._stepper.step(batch)
+
+    def validate(self, iterator, info: dict) -> dict:
+        """Validation on this worker. Override it for a custom validation (the
+        seed's `validate(val_iterator, info)`): `iterator` yields this worker's
+        share of the validation batches (every example once across workers);
+        return a dict of numbers ("num_samples" weights the average over
+        workers). Not overridden, the Trainer validates with `validate_batch`
+        and the registered metrics (exact over the whole set)."""
+        raise NotImplementedError  # never called unless overridden
 
     def state_dict(self) -> dict:
         """Extra state to checkpoint (JSON-serialisable: numbers, strings, lists, dicts)."""

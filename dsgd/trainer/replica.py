@@ -215,6 +215,12 @@ class OperatorReplica(Model):
             raise ValueError(f"validate_batch must return a dict of scalars, got {out!r:.200}")
         return {k: tf.cast(v, tf.float32) for k, v in out.items() if k != "num_samples"}
 
+    def own_batches(self):
+        """This replica's tf.data training shard (a custom epoch's batches)."""
+        if self._own is None:
+            raise ValueError("no tf.data training data registered")
+        return self._own
+
     def own_validation_batches(self):
         if self._own_validation is None:
             raise ValueError("no validation data registered: register_data(validation_data=...)")
@@ -274,10 +280,10 @@ def validate_share(worker, source: tuple, num_steps: int | None, info: dict | No
                 run(replica, batch)
                 tally["batch_count"] += 1
     else:
-        for k, batch in enumerate(_worker_batches(source)):
+        for k, batch in enumerate(worker_batches(source)):
             if num_steps is not None and k >= num_steps:
                 break
-            for replica, part in zip(replicas, _split_uneven(batch, len(replicas))):
+            for replica, part in zip(replicas, split_uneven(batch, len(replicas))):
                 run(replica, part)
             tally["batch_count"] += 1
     states = [r.metric_states() for r in replicas]
@@ -286,7 +292,7 @@ def validate_share(worker, source: tuple, num_steps: int | None, info: dict | No
     return tally
 
 
-def _worker_batches(source: tuple):
+def worker_batches(source: tuple):
     from dsgd.data.batching import take_rows
     from dsgd.data.feeds import finish
 
@@ -298,15 +304,30 @@ def _worker_batches(source: tuple):
             batch = take_rows(ray.get(spans.refs, timeout=timeout_s), spans.spans)
             yield finish(batch, transform, 1, f"validation rows from {spans.first_row}")[0][0]
     elif source[0] == "ray":
-        _, iterator, batch_size, transform = source
+        _, iterator, batch_size, transform = source[:4]
+        drop_last = len(source) > 4 and source[4]  # training: as many batches on every worker
         for k, batch in enumerate(iterator.iter_batches(batch_size=batch_size, batch_format="numpy",
-                                                        drop_last=False)):
+                                                        drop_last=drop_last)):
             yield finish(batch, transform, 1, f"validation batch {k + 1}")[0][0]
     else:
         raise ValueError(f"unknown validation source {source[0]!r}")
 
 
-def _split_uneven(batch, parts: int) -> list:
+def validation_batches(worker, source: tuple):
+    """A custom validate's batches on this worker: its share of the driver's
+    validation data, or ("own",) each replica's tf.data shard, one replica after
+    the other (every example once)."""
+    if source[0] != "own":
+        yield from worker_batches(source)
+        return
+    import tensorflow as tf
+
+    for replica in worker.replicas.replicas:
+        for batch in replica.own_validation_batches():
+            yield tf.nest.map_structure(lambda t: t.numpy(), batch)
+
+
+def split_uneven(batch, parts: int) -> list:
     """`parts` row ranges of a batch, as equal as possible (some may be empty)."""
     from dsgd.data.batching import map_leaves, num_rows
 

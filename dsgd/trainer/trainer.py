@@ -9,6 +9,7 @@ replaced and the epoch goes on), validation runs per worker over its share.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from dsgd.data.dataset import is_ray_dataset
 from dsgd.data.feeds import RowSpans
 from dsgd.engine.sgd import DistributedSGD
 from dsgd.trainer import results
+from dsgd.trainer.custom import custom_train_epoch, custom_validate
 from dsgd.trainer.operator import BATCH_SIZE, TrainingOperator
 from dsgd.trainer.replica import OperatorReplica, validate_share
 from dsgd.trainer.schedules import STEP_FREQS
@@ -126,6 +128,11 @@ class Trainer:
             train, validation = self.sgd.for_model(_registered_data)
             # The driver steps the plateau rules (on the reported, averaged metrics).
             self._plateaus = self.sgd.for_model(lambda m: m.plateaus())
+            self._custom_train, self._custom_validate = self.sgd.for_model(_custom_methods)
+            if self._custom_train and self.sgd.num_workers > 1 and not self.sgd.ps_actors:
+                raise ValueError(f"{training_operator_cls.__name__} overrides train_epoch: its "
+                                 "steps exchange through PS actors, so use strategy='ps' "
+                                 f"(got {strategy!r})")
             self._train_data = self._driver_data(train, "train_data")
             self._validation_data = self._driver_data(validation, "validation_data")
         except BaseException:
@@ -137,6 +144,7 @@ class Trainer:
         self._driver_operator = None
         self._info: dict | None = None
         self._scheduler_updates = 0  # update_scheduler() calls ("manual")
+        self._exchange_runs = itertools.count(1)  # custom epochs: step numbers apart per attempt
         # A replaced worker copies weights, optimizer state, epoch and batch number from
         # a survivor (get_state_variables); give it train()'s info too.
         self.sgd.on_workers_changed.append(self._resend_info)
@@ -163,6 +171,8 @@ class Trainer:
         if data is None:
             raise ValueError("nothing to train on: register_data(train_data=...) in setup, or "
                              "pass dataset= to train()")
+        if self._custom_train:
+            return self._train_custom(epoch, data, num_steps, profile, reduce_results, info)
         summary = self.sgd.train(num_steps, None if isinstance(data, str) else data,
                                  desc=f"epoch {epoch}")
         result = results.train_results(summary, epoch, reduce_results, profile)
@@ -187,6 +197,8 @@ class Trainer:
         if self._validation_data is None:
             raise ValueError("no validation data: register_data(validation_data=...) in setup")
         start = time.perf_counter()
+        if self._custom_validate:
+            return self._validate_custom(num_steps, profile, reduce_results, info, start)
         # A worker validates its whole share in one call, so a long call is no sign of
         # a hang: allowed VALIDATION_TIMEOUT_STEPS step timeouts, then an error.
         tallies = self.sgd.run_on_workers(
@@ -201,6 +213,106 @@ class Trainer:
         self._log({k: v for k, v in reduced.items() if k.startswith("val_")})
         self._check_plateaus(reduced, on_validation=True)
         return result
+
+    # -- custom epochs (dsgd/trainer/custom.py) -------------------------------------------------
+    def _train_custom(self, epoch: int, data, num_steps, profile: bool, reduce_results: bool,
+                      info: dict | None):
+        """The operator's own train_epoch on every worker at once, from the state of
+        the epoch's start (saved here first: an attempt run again after a failure
+        starts from it too)."""
+        import ray
+
+        start = time.perf_counter()
+        first = lambda: [True] + [False] * (self.sgd.num_workers - 1)  # noqa: E731
+        state = ray.put(self.sgd.run_on_workers(_full_state, first, what=f"epoch {epoch}: "
+                                                "saving its starting state")[0])
+
+        def contexts():
+            workers, groups = self.sgd.workers, self.sgd.shard_groups
+            assignment = self.sgd.ps_assignment
+            sources = self._train_sources(data, num_steps, len(workers))
+            base = next(self._exchange_runs) * 10**9
+            return [{"rank": r, "world": len(workers), "peers": workers,
+                     "ps": self.sgd.ps_actors, "groups": groups,
+                     "ps_of_group": [assignment[g[0]] for g in groups] if assignment else [],
+                     "timeout_s": self.sgd.step_timeout_s, "seq_base": base, "source": source}
+                    for r, source in enumerate(sources)]
+
+        outs = self.sgd.run_on_workers(
+            custom_train_epoch, contexts, state, epoch, info, what=f"epoch {epoch}: train_epoch",
+            timeout_s=self._custom_timeout(data, num_steps))
+        rows = []
+        for out in outs:
+            row = {"epoch": epoch, "num_samples": out["num_samples"], "batch_count": out["steps"]}
+            row.update(out["result"])
+            rows.append(row)
+        extra = {"train_epoch_s": time.perf_counter() - start} if profile else {}
+        reduced = results.reduce(rows, epoch)
+        self._log({"train_loss": reduced.get("train_loss", reduced.get("loss"))})
+        self._check_plateaus(reduced, on_validation=False)
+        if not reduce_results:
+            return [dict(r, **extra) for r in rows]
+        return dict(reduced, **extra)
+
+    def _custom_timeout(self, data, num_steps) -> float:
+        """A custom epoch's call, as a whole: one step timeout per step, plus one
+        (each worker itself reports a step that waits longer than step_timeout_s)."""
+        steps = num_steps
+        if steps is None and isinstance(data, Dataset) and not data.is_ray_data:
+            length = data._feed(self.sgd.devices_per_worker).stream.length
+            if length is not None:
+                steps = length // (data.batch_size * self.sgd.num_workers)
+        return (max(int(steps or 0), constants.VALIDATION_TIMEOUT_STEPS) + 1) \
+            * self.sgd.step_timeout_s
+
+    def _train_sources(self, data, num_steps, workers: int) -> list[tuple]:
+        """Each worker's batches of a custom epoch: as many on every worker."""
+        if isinstance(data, str):  # own tf.data shards: the smallest shard's batch count
+            steps = self.sgd.for_model(lambda m: m.steps_per_epoch())
+            if steps is None:
+                raise ValueError("a custom train_epoch over tf.data needs a dataset of known "
+                                 "cardinality (or pass num_steps)")
+            steps = min(steps, num_steps) if num_steps is not None else steps
+            return [(OWN, int(steps))] * workers
+        if data.is_ray_data:
+            return [("ray", it, data.batch_size, data.transform, True)
+                    for it in data.data.streaming_split(workers, equal=True)]
+        stream = data._feed(self.sgd.devices_per_worker).stream
+        if stream.length is None:
+            raise ValueError("a custom train_epoch needs data of known length (not a generator)")
+        b = data.batch_size
+        steps = stream.length // (b * workers)
+        if num_steps is not None:
+            steps = min(steps, int(num_steps))
+        if steps == 0:
+            raise ValueError(f"{data!r} has fewer rows than one step takes ({workers} worker(s) "
+                             f"x batch_size={b})")
+        blocks = stream.ready(0, steps * b * workers, 0, self.sgd.step_timeout_s)
+        sources = []
+        for w in range(workers):
+            batches = []
+            for k in range(steps):  # step k: rows [k*W*b, (k+1)*W*b), worker w's b of them
+                first = (k * workers + w) * b
+                spans = stream.spans(first, b)
+                batches.append(RowSpans([blocks[i] for i, _, _ in spans],
+                                        [(lo, hi) for _, lo, hi in spans], first))
+            sources.append(("rows", batches, data.transform, self.sgd.step_timeout_s))
+        return sources
+
+    def _validate_custom(self, num_steps, profile: bool, reduce_results: bool,
+                         info: dict | None, start: float):
+        per_worker = self.sgd.run_on_workers(
+            custom_validate, self._validation_sources, num_steps, info,
+            what="validating (custom validate)",
+            timeout_s=constants.VALIDATION_TIMEOUT_STEPS * self.sgd.step_timeout_s)
+        rows = [dict({"num_samples": 1, "batch_count": 0}, **r) for r in per_worker]
+        extra = {"validation_s": time.perf_counter() - start} if profile else {}
+        reduced = results.reduce(rows, None)
+        self._log({k: v for k, v in reduced.items() if k.startswith("val_")})
+        self._check_plateaus(reduced, on_validation=True)
+        if not reduce_results:
+            return [dict(r, **extra) for r in rows]
+        return dict(reduced, **extra)
 
     # -- schedulers ----------------------------------------------------------------------------
     def update_scheduler(self, metric: float | None = None) -> None:
@@ -408,6 +520,18 @@ def _set_info(worker, info: dict | None) -> None:
     """(worker side) train()'s info for a replacement worker (retraced if it changed)."""
     if any([m.set_info(info) for m in worker.replicas.replicas]):
         worker.replicas.retrace()
+
+
+def _custom_methods(replica: OperatorReplica) -> tuple[bool, bool]:
+    """(worker side) Whether the operator overrides train_epoch / validate."""
+    cls = type(replica.operator)
+    return (cls.train_epoch is not TrainingOperator.train_epoch,
+            cls.validate is not TrainingOperator.validate)
+
+
+def _full_state(worker, first: bool):
+    """(worker side) The worker's state (Worker.get_full_state) if `first`, else None."""
+    return worker.get_full_state() if first else None
 
 
 def _registered_data(replica: OperatorReplica) -> tuple:

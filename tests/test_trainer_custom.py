@@ -1,0 +1,83 @@
+"""Custom epochs: an operator's own train_epoch (steps through train_step, all
+workers at once through the PS actors) and validate, exact against a
+single-process Keras loop; a worker lost inside a custom epoch is replaced and
+the epoch run again from its start."""
+
+import os
+
+import numpy as np
+import pytest
+
+import dsgd
+import trainer_ops
+from trainer_ops import (CustomEpochClassifier, CustomEpochGan, CustomEpochTfData,
+                         FlakyCustomEpoch, reference)
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
+
+
+def assert_weights(got, want, atol=1e-5):
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("operator", [CustomEpochClassifier, CustomEpochTfData],
+                         ids=["dsgd.Dataset", "tf.data"])
+def test_custom_train_epoch_equals_a_single_process_loop(operator):
+    with dsgd.Trainer(operator, num_workers=2, config={dsgd.BATCH_SIZE: 16}) as trainer:
+        results = [trainer.train() for _ in range(2)]
+        val = trainer.validate()
+        per_worker = trainer.validate(reduce_results=False)
+        model = trainer.get_model()
+        replicas = trainer.sgd.foreach_model(lambda m: [w.numpy() for w in m.get_variables()])
+    losses, weights, _, _ = reference(2, 16)
+    assert [r["epoch_seen"] for r in results] == [1, 2]
+    assert all(r["num_samples"] == 64 and r["batch_count"] == 4 for r in results)
+    np.testing.assert_allclose([r["loss"] for r in results], losses, rtol=0, atol=1e-5)
+    assert_weights(model.get_weights(), weights)
+    for replica in replicas[1:]:  # every worker applied the same means
+        assert_weights(replica, replicas[0], atol=0)
+    if operator is CustomEpochClassifier:  # each worker validated its share: 15 + 15
+        assert [r["num_samples"] for r in per_worker] == [15, 15]
+        assert val["num_samples"] == 30
+        assert val["val_loss_custom"] == pytest.approx(trainer_ops.validation_loss(model), abs=1e-5)
+
+
+def test_custom_epoch_trains_two_models_identically():
+    with dsgd.Trainer(CustomEpochGan, num_workers=2) as trainer:
+        result = trainer.train()
+        replicas = trainer.sgd.foreach_model(lambda m: [w.numpy() for w in m.get_variables()])
+    assert result["batch_count"] == 4 and {"loss_d", "loss_g", "last_loss_d"} <= set(result)
+    assert_weights(replicas[1], replicas[0], atol=0)
+
+
+def test_train_step_outside_train_epoch_is_refused():
+    with dsgd.Trainer(CustomEpochClassifier, num_workers=1, local=True) as trainer:
+        with pytest.raises(RuntimeError, match="call it inside train_epoch"):
+            trainer.sgd.for_model(lambda m: m.operator.train_step(None))
+        assert trainer.train()["num_samples"] == 64  # one worker: local steps, no exchange
+
+
+def test_average_meter_collection():
+    meters = dsgd.AverageMeterCollection()
+    meters.update({"loss": 2.0}, n=4)
+    meters.update({"loss": 1.0, "num_samples": 2})
+    assert meters.summary() == {"batch_count": 2, "num_samples": 6, "loss": pytest.approx(10 / 6),
+                                "last_loss": 1.0}
+    with pytest.raises(TypeError, match=r"metrics\['loss'\] must be a number"):
+        meters.update({"loss": "x"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("action", ["kill", "hang"])
+def test_worker_lost_in_a_custom_epoch_is_replaced_and_the_epoch_rerun(action, tmp_path):
+    config = {dsgd.BATCH_SIZE: 16, "action": action, "marker": str(tmp_path / "once")}
+    with dsgd.Trainer(FlakyCustomEpoch, num_workers=2, config=config, step_timeout_s=8) as trainer:
+        result = trainer.train()
+        failures = trainer.sgd.failures
+        weights = trainer.get_model().get_weights()
+    assert os.path.exists(tmp_path / "once")
+    assert len(failures) == 1 and "train_epoch" in failures[0].get("call", "")
+    assert result["num_samples"] == 64
+    _, want, _, _ = reference(1, 16)
+    assert_weights(weights, want)
