@@ -38,6 +38,7 @@ class Linear(dsgd.Model):
         return self.optimizer
 
 
+@pytest.mark.slow  # long: CI runs it (.ci/run)
 def test_ray_data_trains_a_model_to_the_expected_result():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(512, 4)).astype(np.float32)

@@ -88,6 +88,7 @@ def last_failure(sgd, before):
     return sgd.failures[-1]
 
 
+@pytest.mark.slow  # long: CI runs it (.ci/run)
 def test_hung_worker_in_get_weights_is_replaced_and_the_call_answers(shared, uninterrupted):
     sgd = shared
     sgd.step()
@@ -109,6 +110,7 @@ def test_hung_worker_in_get_weights_is_replaced_and_the_call_answers(shared, uni
     assert_replicas_equal(sgd)
 
 
+@pytest.mark.slow  # long: CI runs it (.ci/run)
 def test_dead_worker_in_set_weights_is_replaced_and_every_replica_set(shared):
     sgd = shared
     before = len(sgd.failures)

@@ -72,6 +72,7 @@ def test_adam_with_a_schedule_per_group_equals_one_apply_and_the_reference(optim
     assert max(np.abs(a - b).max() for a, b in zip(staged, initial, strict=True)) > 1e-2
 
 
+@pytest.mark.slow  # long: CI runs it (.ci/run)
 def test_two_optimizers_per_group_equal_one_apply():
     creator = lambda w, d: tiny.TwoOptimizerModel(w, d, 1, BATCH)  # noqa: E731
     initial, staged, staged_state, facts = run(creator, True)
@@ -122,7 +123,7 @@ def assert_as_uninterrupted(final, replicas, uninterrupted) -> None:
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("last_group", [True, False])
+@pytest.mark.parametrize("last_group", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_ps_dead_mid_step_the_workers_compute_its_mean(last_group, uninterrupted):
     """A PS is dead when step 3 starts (train(), step 4 in flight): the workers
     apply group by group, compute that PS's mean themselves from the gradients
@@ -178,6 +179,7 @@ class _Gone:
         return None
 
 
+@pytest.mark.slow  # long: CI runs it (.ci/run)
 def test_a_worker_that_cannot_finish_a_partly_applied_step_exits():
     """Worker.apply_staged's rule when a group's mean can be neither read nor
     computed (its PS and the gradients both gone): having applied nothing it

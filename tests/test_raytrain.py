@@ -23,6 +23,7 @@ def dsgd_ps_actors():
             if a["name"].startswith("dsgd-ps-")]
 
 
+@pytest.mark.slow  # long: CI runs it (.ci/run)
 def test_shards_ranks_and_exact_gradients(tmp_path):
     trainer = dt.DsgdTrainer(raytrain_loops.exactness_loop,
                              train_loop_config={"out": str(tmp_path), "steps": STEPS, "batch": BATCH},
@@ -77,9 +78,9 @@ def test_a_worker_killed_mid_fit_restarts_from_the_checkpoint(tmp_path):
 
 def rendezvous_ps(ps_index: int, timeout_s: float):
     """The engine's PS class, started as the Ray Train backend starts it."""
-    from dsgd.comm.param_server import ParameterServer, rendezvous_concurrency
+    from dsgd.comm.param_server import ParameterServer, ps_actor_class, rendezvous_concurrency
 
-    return ray.remote(ParameterServer).options(
+    return ps_actor_class(ParameterServer, 2).options(
         num_cpus=0, max_concurrency=rendezvous_concurrency(2)).remote(
         ps_index, rendezvous_timeout_s=timeout_s)
 

@@ -144,6 +144,7 @@ def test_worker_killed_during_a_step(uninterrupted, tmp_path, strategy):
         assert_same_weights(sgd, uninterrupted)
 
 
+@pytest.mark.slow  # long: CI runs it (.ci/run)
 def test_worker_killed_while_applying_is_not_applied_twice(uninterrupted, tmp_path):
     """Worker 1 dies inside its optimizer update of step 3, after worker 0 has
     applied it: the step counts as done (worker 0's state is copied), not retried."""
@@ -200,6 +201,7 @@ def test_every_worker_dead_restores_the_last_checkpoint(tmp_path):
             np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # long: CI runs it (.ci/run)
 def test_one_worker_killed_in_a_call_of_several_steps_restores_the_checkpoint(tmp_path):
     """One worker runs train()'s steps 3 per call: it dies inside the second call
     (step 5); recovery restores the step-1 checkpoint and the remaining steps run

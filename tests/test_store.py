@@ -73,6 +73,7 @@ def train_many_steps(sgd, baseline, kill_at=()):
         assert after_all == baseline, (baseline, after_all)
 
 
+@pytest.mark.slow  # long: CI runs it (.ci/run)
 def test_ps_store_usage_is_flat_over_300_steps_with_failures_in_between():
     """Also: every worker and PS actor warmed its store mapping, replacements too."""
     baseline = store.settled_usage()

@@ -14,7 +14,8 @@ from trainer_ops import Classifier, Gan, TfDataClassifier, reference
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 
 
-@pytest.mark.parametrize("operator", [Classifier, TfDataClassifier], ids=["dsgd.Dataset", "tf.data"])
+@pytest.mark.parametrize("operator", [Classifier, pytest.param(TfDataClassifier, marks=pytest.mark.slow)],
+                         ids=["dsgd.Dataset", "tf.data"])
 def test_results_equal_a_single_process_keras_loop(operator):
     """2 workers, global batch 16: train() twice, validate(), against Keras in one process."""
     with dsgd.Trainer(operator, num_workers=2, config={dsgd.BATCH_SIZE: 16}) as trainer:

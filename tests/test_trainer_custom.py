@@ -21,7 +21,8 @@ def assert_weights(got, want, atol=1e-5):
         np.testing.assert_allclose(g, w, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("operator", [CustomEpochClassifier, CustomEpochTfData],
+@pytest.mark.parametrize("operator", [CustomEpochClassifier,
+                                      pytest.param(CustomEpochTfData, marks=pytest.mark.slow)],
                          ids=["dsgd.Dataset", "tf.data"])
 def test_custom_train_epoch_equals_a_single_process_loop(operator):
     with dsgd.Trainer(operator, num_workers=2, config={dsgd.BATCH_SIZE: 16}) as trainer:
@@ -43,6 +44,7 @@ def test_custom_train_epoch_equals_a_single_process_loop(operator):
         assert val["val_loss_custom"] == pytest.approx(trainer_ops.validation_loss(model), abs=1e-5)
 
 
+@pytest.mark.slow
 def test_custom_epoch_trains_two_models_identically():
     with dsgd.Trainer(CustomEpochGan, num_workers=2) as trainer:
         result = trainer.train()

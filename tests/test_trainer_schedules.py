@@ -69,6 +69,7 @@ def test_per_batch_schedule_matches_a_keras_optimizer_with_it():
         assert float(schedule(7)) == pytest.approx(rates[0])
 
 
+@pytest.mark.slow
 def test_manual_steps_only_at_update_scheduler():
     config = dict(CONFIG, make_scheduler=trainer_ops.step_decay)
     with dsgd.Trainer(ScheduledClassifier, num_workers=2, config=config,
@@ -164,3 +165,69 @@ def test_local_mode_trains_the_weights_of_one_worker_actor(tmp_path):
         assert a["lr"] == b["lr"] and a["num_samples"] == b["num_samples"] == 64
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-6)
     assert local_val["val_loss"] == pytest.approx(remote_val["val_loss"], abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["subclass", "from_creators"])
+def test_the_seeds_first_example_in_keras(how):
+    """The seed's MyTrainingOperator (LinearDataset, SGD, StepLR(step_size=5,
+    gamma=0.9), scheduler_step_freq="epoch"), and its from_creators form."""
+    operator = trainer_ops.SeedLinearOperator if how == "subclass" else \
+        dsgd.TrainingOperator.from_creators(
+            model_creator=trainer_ops.seed_model_creator,
+            optimizer_creator=trainer_ops.seed_optimizer_creator,
+            data_creator=trainer_ops.seed_data_creator, loss_creator=trainer_ops.seed_loss_creator,
+            scheduler_creator=trainer_ops.seed_scheduler_creator)
+    with dsgd.Trainer(operator, num_workers=2, scheduler_step_freq="epoch",
+                      config={"lr": 0.01, dsgd.BATCH_SIZE: 64}) as trainer:
+        results = [trainer.train() for _ in range(6)]
+        validation = trainer.validate()
+    # StepLR: 0.01 for epochs 0-4, 0.009 from epoch 5 on.
+    assert [r["lr"] for r in results] == pytest.approx([0.01] * 5 + [0.009])
+    assert results[-1]["train_loss"] < results[0]["train_loss"]
+    assert validation["num_samples"] == 256 and validation["val_loss"] < results[0]["train_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("freq", ["epoch", "batch"])
+def test_schedulers_survive_a_worker_replacement(freq, tmp_path):
+    """A worker SIGKILLed mid-epoch: its replacement copies the learning rate, the
+    optimizer's steps and the schedulers' last counts; the step is retried and the
+    weights equal one process with the same schedule."""
+    make = trainer_ops.step_decay if freq == "epoch" else trainer_ops.exponential_decay
+    config = dict(CONFIG, make_scheduler=make, action="kill", marker=str(tmp_path / "once"))
+    with dsgd.Trainer(trainer_ops.FlakyScheduled, num_workers=2, config=config,
+                      scheduler_step_freq=freq) as trainer:
+        results = [trainer.train() for _ in range(2)]
+        failures = trainer.sgd.failures
+        weights = trainer.get_model().get_weights()
+    assert len(failures) == 1
+    if freq == "epoch":
+        def before_epoch(epoch, optimizer):
+            optimizer.learning_rate = trainer_ops.halve_after_first(
+                epoch, float(optimizer.learning_rate.numpy()))
+        want, rates = scheduled_reference(2, 16, before_epoch=before_epoch)
+    else:
+        schedule = trainer_ops.exponential_decay()
+
+        def before_step(optimizer):
+            optimizer.learning_rate = float(schedule(optimizer.iterations))
+        want, rates = scheduled_reference(2, 16, before_step=before_step)
+    assert [r["lr"] for r in results] == pytest.approx(rates)
+    assert_weights(weights, want)
+
+
+@pytest.mark.slow
+def test_manual_count_survives_save_and_load(tmp_path):
+    config = dict(CONFIG, make_scheduler=trainer_ops.step_decay)
+    with dsgd.Trainer(ScheduledClassifier, num_workers=1, config=config,
+                      scheduler_step_freq="manual") as trainer:
+        trainer.update_scheduler()
+        trainer.update_scheduler()
+        path = trainer.save(str(tmp_path / "ckpt"))
+    with dsgd.Trainer(ScheduledClassifier, num_workers=1, config=config,
+                      scheduler_step_freq="manual") as trainer:
+        trainer.load(path)
+        assert trainer.learning_rates() == pytest.approx([0.025])
+        trainer.update_scheduler()  # the third call: count 3, halved again
+        assert trainer.learning_rates() == pytest.approx([0.0125])

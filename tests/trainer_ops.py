@@ -266,3 +266,70 @@ class CustomEpochGan(Gan):
         for batch in iterator:
             meters.update(self.train_step(batch))
         return meters.summary()
+
+
+def linear_dataset(a: float, b: float, n: int, seed: int) -> list:
+    """The seed's LinearDataset: y = a * x + b, x in [0, 10)."""
+    x = np.random.default_rng(seed).uniform(0, 10, size=(n, 1)).astype(np.float32)
+    return list(zip(x, (a * x + b).astype(np.float32)))
+
+
+def step_lr(lr: float):
+    """torch.optim.lr_scheduler.StepLR(step_size=5, gamma=0.9), per epoch, in Keras."""
+    import keras
+
+    return keras.optimizers.schedules.ExponentialDecay(lr, decay_steps=5, decay_rate=0.9,
+                                                       staircase=True)
+
+
+class SeedLinearOperator(dsgd.TrainingOperator):
+    """The seed's first example (MyTrainingOperator), translated to Keras."""
+
+    def setup(self, config):
+        import keras
+
+        train_dataset, val_dataset = linear_dataset(2, 5, 1024, 0), linear_dataset(2, 5, 256, 1)
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(config.get("lr", 1e-4))
+        criterion = keras.losses.MeanSquaredError()
+        scheduler = step_lr(config.get("lr", 1e-4))
+        self.model_, self.optimizer_, self.scheduler_ = self.register(
+            models=model, optimizers=optimizer, loss=criterion, schedulers=scheduler)
+        self.register_data(train_data=dsgd.Dataset(train_dataset),
+                           validation_data=dsgd.Dataset(val_dataset))
+
+
+def seed_model_creator(config):
+    import keras
+
+    return keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+
+
+def seed_optimizer_creator(model, config):
+    import keras
+
+    return keras.optimizers.SGD(config.get("lr", 1e-4))
+
+
+def seed_data_creator(config):
+    return dsgd.Dataset(linear_dataset(2, 5, 1024, 0)), dsgd.Dataset(linear_dataset(2, 5, 256, 1))
+
+
+def seed_loss_creator(config):
+    import keras
+
+    return keras.losses.MeanSquaredError()
+
+
+def seed_scheduler_creator(optimizer, config):
+    return step_lr(config.get("lr", 1e-4))
+
+
+class FlakyScheduled(ScheduledClassifier):
+    """A scheduled classifier whose worker is killed (or hangs) at its 3rd batch, once."""
+
+    def setup(self, config):
+        super().setup(config)
+        x, y = classification(64, 0)
+        self.register_data(train_data=dsgd.Dataset(
+            list(zip(x, y)), transform=Misbehave(config["action"], config["marker"], 3)))
