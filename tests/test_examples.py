@@ -94,6 +94,9 @@ def test_dcgan_example_trains_two_models_and_saves_digits(capsys, tmp_path):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert out.stat().st_size > 1000 and result["epochs"][0]["epoch"] == 1
     assert np.isfinite(result["epochs"][0]["loss_d"]) and np.isfinite(result["epochs"][0]["loss_g"])
+    # its own train_epoch and validate (the seed's custom-epoch way)
+    assert 0 < result["epochs"][0]["d_fixed_fake"] < 1
+    assert 0 <= result["epochs"][0]["val_d_accuracy"] <= 1
 
 
 @pytest.mark.slow

@@ -83,3 +83,18 @@ def test_worker_lost_in_a_custom_epoch_is_replaced_and_the_epoch_rerun(action, t
     assert result["num_samples"] == 64
     _, want, _, _ = reference(1, 16)
     assert_weights(weights, want)
+
+
+def test_a_validate_override_can_extend_the_default():
+    """The default validate (compiled validate_batch, registered metrics) under an
+    override: its averages over samples, weighted over workers, equal the built-in
+    validation's."""
+    with dsgd.Trainer(trainer_ops.CustomValidateWithDefault, num_workers=2,
+                      config={dsgd.BATCH_SIZE: 16}) as trainer:
+        trainer.train()
+        custom = trainer.validate()
+        trainer._custom_validate = False  # the built-in path, on the same weights
+        builtin = trainer.validate()
+    assert custom["extra"] == 1.0 and custom["num_samples"] == builtin["num_samples"] == 30
+    assert custom["val_loss"] == pytest.approx(builtin["val_loss"], abs=1e-6)
+    assert custom["val_accuracy"] == pytest.approx(builtin["val_accuracy"], abs=1e-6)

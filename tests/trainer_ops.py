@@ -333,3 +333,10 @@ class FlakyScheduled(ScheduledClassifier):
         x, y = classification(64, 0)
         self.register_data(train_data=dsgd.Dataset(
             list(zip(x, y)), transform=Misbehave(config["action"], config["marker"], 3)))
+
+
+class CustomValidateWithDefault(Classifier):
+    """A validate override that adds a value to the default's (validate_batch + metrics)."""
+
+    def validate(self, iterator, info):
+        return dict(super().validate(iterator, info), extra=1.0)

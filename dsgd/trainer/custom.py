@@ -195,6 +195,7 @@ def custom_validate(worker, source: tuple, num_steps: int | None, info: dict | N
     operator = worker.replicas.replicas[0].operator
     for replica in worker.replicas.replicas:
         replica.begin_validation(info)
+        replica.eager = worker.replicas.eager
     iterator = validation_batches(worker, source)
     if num_steps is not None:
         iterator = itertools.islice(iterator, num_steps)

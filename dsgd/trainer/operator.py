@@ -38,6 +38,7 @@ class TrainingOperator:
         self._train_data = self._validation_data = None
         self._registered = self._data_registered = False
         self._stepper = None  # set while a custom train_epoch runs (dsgd/trainer/custom.py)
+        self._replica = None  # the OperatorReplica holding this operator (worker side)
 
     # -- to implement -----------------------------------------------------------------
     def setup(self, config: dict) -> None:
@@ -190,8 +191,21 @@ class TrainingOperator:
         share of the validation batches (every example once across workers);
         return a dict of numbers ("num_samples" weights the average over
         workers). Not overridden, the Trainer validates with `validate_batch`
-        and the registered metrics (exact over the whole set)."""
-        raise NotImplementedError  # never called unless overridden
+        and the registered metrics (their states summed over workers: exact over
+        the whole set); this default, for an override to call, runs the
+        compiled `validate_batch` on each batch and returns its values averaged
+        over samples plus this worker's registered metrics."""
+        from dsgd.data.batching import num_rows
+        from dsgd.trainer.meters import AverageMeterCollection
+
+        if self._replica is None:
+            raise RuntimeError("validate runs on the workers: the Trainer calls it")
+        meters = AverageMeterCollection()
+        for batch in iterator:
+            meters.update(self._replica.validate(batch, self._replica.eager), n=num_rows(batch))
+        result = meters.summary()
+        result.update({f"val_{m.name}": float(m.result()) for m in self._metrics})
+        return result
 
     def state_dict(self) -> dict:
         """Extra state to checkpoint (JSON-serialisable: numbers, strings, lists, dicts)."""

@@ -23,6 +23,8 @@ class OperatorReplica(Model):
         from dsgd.trainer import schedules
 
         self.operator = operator_cls(config, world_rank, world_size, device, loss_scaling)
+        self.operator._replica = self
+        self.eager = False  # local mode: set by validate_share/custom_validate
         self.operator.setup(config)
         if not self.operator._registered:
             raise ValueError(f"{operator_cls.__name__}.setup must call self.register(models=..., "
