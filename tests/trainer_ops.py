@@ -116,12 +116,19 @@ class Misbehave:
         return batch
 
 
-class FlakyClassifier(Classifier):
+class FlakyData:
+    """Mixin: after the operator's setup, training data whose worker is killed (or
+    hangs) at its 3rd batch, once (config["action"], config["marker"])."""
+
     def setup(self, config):
         super().setup(config)
         x, y = classification(64, 0)
         self.register_data(train_data=dsgd.Dataset(
             list(zip(x, y)), transform=Misbehave(config["action"], config["marker"], 3)))
+
+
+class FlakyClassifier(FlakyData, Classifier):
+    pass
 
 
 class Gan(dsgd.TrainingOperator):
@@ -248,14 +255,8 @@ class CustomEpochTfData(TfDataClassifier):
     train_epoch = CustomEpochClassifier.train_epoch
 
 
-class FlakyCustomEpoch(CustomEpochClassifier):
+class FlakyCustomEpoch(FlakyData, CustomEpochClassifier):
     """A custom epoch whose worker is killed (or hangs) at its 3rd batch, once."""
-
-    def setup(self, config):
-        super().setup(config)
-        x, y = classification(64, 0)
-        self.register_data(train_data=dsgd.Dataset(
-            list(zip(x, y)), transform=Misbehave(config["action"], config["marker"], 3)))
 
 
 class CustomEpochGan(Gan):
@@ -325,14 +326,8 @@ def seed_scheduler_creator(optimizer, config):
     return step_lr(config.get("lr", 1e-4))
 
 
-class FlakyScheduled(ScheduledClassifier):
+class FlakyScheduled(FlakyData, ScheduledClassifier):
     """A scheduled classifier whose worker is killed (or hangs) at its 3rd batch, once."""
-
-    def setup(self, config):
-        super().setup(config)
-        x, y = classification(64, 0)
-        self.register_data(train_data=dsgd.Dataset(
-            list(zip(x, y)), transform=Misbehave(config["action"], config["marker"], 3)))
 
 
 class CustomValidateWithDefault(Classifier):
