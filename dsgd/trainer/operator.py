@@ -40,6 +40,14 @@ class TrainingOperator:
         self._stepper = None  # set while a custom train_epoch runs (dsgd/trainer/custom.py)
         self._replica = None  # the OperatorReplica holding this operator (worker side)
 
+    def __getstate__(self) -> dict:
+        """Pickles without the worker-side links (the replica's compiled
+        functions cannot be pickled): an operator returned from a worker
+        (`Trainer.sgd.for_model(lambda m: m.operator)`) arrives without them."""
+        state = dict(self.__dict__)
+        state["_replica"] = state["_stepper"] = None
+        return state
+
     # -- to implement -----------------------------------------------------------------
     def setup(self, config: dict) -> None:
         """Build and register everything: `self.register(...)`, `self.register_data(...)`."""
