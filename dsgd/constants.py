@@ -53,7 +53,7 @@ PS_NAME_PREFIX = "dsgd-ps-"
 # Ray starts worker processes at niceness 15 (`RAY_worker_niceness`) so that its
 # daemons stay responsive; a training process then loses the CPU to every
 # nice-0 process and runs slower than the same step in the driver
-# (benchmarks/results/MEASUREMENTS.md). dsgd's actors run at 0, like a plain training
+# (benchmarks/design_measurements.md). dsgd's actors run at 0, like a plain training
 # process (Ray's worker lowers its own priority at start-up; at 0 it simply
 # does not, so no privilege is needed). Merged with the job's runtime_env env_vars by Ray.
 ACTOR_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}

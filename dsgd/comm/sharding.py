@@ -230,7 +230,7 @@ def group_shards(owner: Sequence[int]) -> tuple[tuple[int, ...], ...]:
     PS (`owner[j]` is shard j's PS), in shard order; groups are ordered by their
     first shard, so every PS gets work early. Ray's fixed cost per object
     (create, seal, pin, report to its owner, free) exceeds copying a large shard
-    (benchmarks/results/MEASUREMENTS.md): grouping keeps shards as the unit
+    (benchmarks/design_measurements.md): grouping keeps shards as the unit
     of fusion and of the PS sum while cutting the objects per step."""
     groups: dict[int, list[int]] = {}
     for j, ps in enumerate(owner):

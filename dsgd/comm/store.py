@@ -21,7 +21,7 @@ def drained_usage(timeout_s: float = 60.0, interval_s: float = 0.1,
     (default: empty), or the last reading after `timeout_s`.
 
     Ray frees objects asynchronously: right after a step, that step's shards are
-    typically still in the store for a moment (benchmarks/results/MEASUREMENTS.md).
+    typically still in the store for a moment (benchmarks/design_measurements.md).
     When nothing holds a reference, the store must drain back to what it held
     before (objects of others, e.g. blocks Ray Data keeps for a dataset); a store
     that does not is leaking."""
@@ -93,7 +93,7 @@ def warm(max_bytes: int) -> int:
     Why: Ray places each step's objects wherever its allocator finds room, so
     for the first tens of steps every process kept touching pages of the store
     it had not used before, with the kernel zeroing fresh pages (how many:
-    benchmarks/results/MEASUREMENTS.md)."""
+    benchmarks/design_measurements.md)."""
     import ctypes
 
     import numpy as np

@@ -107,7 +107,7 @@ class Replicas:
         """Compile the step functions for this shard plan. Unless `on_nonfinite`
         is "ignore", every replica's gradient is checked for NaN/Inf. With
         "skip", `local_step` applies only finite steps; that gate makes the
-        update wait for every gradient (benchmarks/results/MEASUREMENTS.md),
+        update wait for every gradient (benchmarks/design_measurements.md),
         so with "raise" each variable's update runs right after its own
         gradient's check, whatever the result, and the caller raises afterwards."""
 
@@ -297,7 +297,7 @@ class Replicas:
         else:
             # Variable k's update runs right after the checks of its gradient, which
             # then reads it from cache (a separate pass over the gradients cost
-            # more: benchmarks/results/MEASUREMENTS.md).
+            # more: benchmarks/design_measurements.md).
             self._apply_means([[_after(g, [f[k] for f in flags]) for k, g in enumerate(m)]
                                for m in means])
         return losses, finite, metrics
@@ -393,7 +393,7 @@ def _finite_flags(grads, gpu: bool) -> list:
     (not a floating type). On CPU, dsgd's op checks each gradient in one read,
     as soon as the backward pass produces it; TensorFlow's is_finite +
     reduce_all writes and re-reads a bool tensor per gradient (slower:
-    benchmarks/results/MEASUREMENTS.md)."""
+    benchmarks/design_measurements.md)."""
     import tensorflow as tf
 
     native = (tf.float16, tf.bfloat16, tf.float32, tf.float64)

@@ -79,7 +79,7 @@ class Worker:
         """After the first step (TensorFlow, Keras and the traced step are built),
         move every object alive into Python's permanent GC generation, so that
         full collections stop walking them every few steps (what that cost:
-        benchmarks/results/MEASUREMENTS.md). Objects made later are collected
+        benchmarks/design_measurements.md). Objects made later are collected
         as usual."""
         if not self._gc_frozen:
             import gc
