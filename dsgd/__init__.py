@@ -8,6 +8,12 @@ from dsgd.native import installation as _installation
 # root): a clear ImportError saying what to do, before anything needs them.
 _installation.check_compiled(_os.path.dirname(_os.path.abspath(__file__)))
 
+# TensorFlow's start-up probing lines (no CUDA driver, cuInit, oneDNN) are dropped here,
+# in every dsgd actor and in a script that imports dsgd first: dsgd/tf_logging.py.
+from dsgd.tf_logging import import_tensorflow as _import_tensorflow  # noqa: E402
+
+_import_tensorflow()
+
 from dsgd.data import Dataset  # noqa: E402
 from dsgd.errors import (CheckpointError, DsgdError, ModelMismatchError,  # noqa: E402
                          NonFiniteError, ResourceError, StepTimeoutError)
