@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -276,28 +277,6 @@ def peer_s(mib, workers, num_ps, steps, warmup):
             ray.kill(a)
 
 
-def chart(rows, path, shard_bytes):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sizes = [r["mib"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("plain_s", "plain tf.function step"), ("dsgd_s", "dsgd ps step"),
-                       ("shared_plain_s", "plain steps on every worker at once"),
-                       ("peer_s", "plain-Ray exchange (peer)"), ("bound_s", "2 x memcpy")):
-        ax.plot(sizes, [1000 * r[key] for r in rows], marker="o", label=label)
-    ax.set_xlabel("gradient MiB per worker")
-    ax.set_ylabel("median ms per step")
-    ax.set_title(f"{rows[0]['workers']} workers, {rows[0]['num_ps']} PS actors, "
-                 f"{shard_bytes / 1e6:g} MB shards")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", type=float, nargs="+", default=[100.0], help="MiB per worker")
@@ -409,7 +388,10 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    chart(rows, os.path.splitext(args.out)[0] + ".png", result["grad_shard_bytes"])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import charts  # the chart code of every benchmark
+
+    charts.draw(args.out)
     return result
 
 

@@ -27,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -116,29 +117,6 @@ def download_rates(items: int, sleep_s: float, concurrencies: list[int], block_r
             "items_per_s": rates, "ideal_items_per_s": {c: c / sleep_s for c in concurrencies}}
 
 
-def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    names = list(result["feeding"]["step_s"])
-    left.bar(names, [1000 * result["feeding"]["step_s"][n] for n in names], color="tab:blue")
-    left.set_ylabel("median step (ms)")
-    left.set_title("MNIST CNN, 2 workers: how batches arrive")
-    rates = result["downloads"]
-    cs = [int(c) for c in rates["items_per_s"]]
-    right.plot(cs, list(rates["items_per_s"].values()), "o-", label="measured")
-    right.plot(cs, list(rates["ideal_items_per_s"].values()), "--", label="ideal")
-    right.set_xlabel("max_concurrency")
-    right.set_ylabel("items/s")
-    right.set_title(f"download_func sleeping {1000 * rates['sleep_s']:.0f} ms per item")
-    right.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=8)
@@ -166,7 +144,10 @@ def main(argv=None):
                       "ratio_to_memory": result["feeding"]["ratio_to_memory"],
                       "items_per_s": result["downloads"]["items_per_s"]}))
     if not args.no_plot:
-        plot(result, os.path.splitext(args.out)[0] + ".png")
+        sys.path.insert(0, HERE)
+        import charts  # the chart code of every benchmark
+
+        charts.draw(args.out)
 
 
 if __name__ == "__main__":

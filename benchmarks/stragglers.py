@@ -164,7 +164,9 @@ def main(argv=None) -> dict:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    chart(result, os.path.splitext(args.out)[0] + ".png")
+    import charts  # the chart code of every benchmark (this directory is on sys.path)
+
+    charts.draw(args.out)
     for row in rows:
         print(f"b={row['backup_workers']} {row['mode']:5s}: step {row['step_ratio_vs_sync']:.2f}x "
               f"sync (median {row['median_step_s'] * 1e3:.0f} ms, p95 "
@@ -173,38 +175,6 @@ def main(argv=None) -> dict:
               f"{wall:.0f} s ({row['steps_in_equal_time']} steps)")
     print(json.dumps(result["targets"]))
     return result
-
-
-def chart(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["rows"]
-    labels = [f"b={r['backup_workers']}\n{r['mode']}" for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    x = np.arange(len(rows))
-    left.bar(x - 0.2, [r["median_step_s"] * 1e3 for r in rows], 0.4, label="median")
-    left.bar(x + 0.2, [r["p95_step_s"] * 1e3 for r in rows], 0.4, label="p95")
-    left.axhline(1.15 * result["sync_step_s"] * 1e3, color="k", ls="--", lw=1,
-                 label="1.15 x straggler-free sync")
-    left.set_xticks(x, labels)
-    left.set_ylabel("step time (ms)")
-    left.legend()
-    right.bar(x - 0.2, [r["accuracy_equal_steps"] for r in rows], 0.4,
-              label=f"after {result['steps']} steps")
-    right.bar(x + 0.2, [r["accuracy_equal_time"] for r in rows], 0.4,
-              label=f"after {result['equal_wall_time_s']:.0f} s")
-    low = min(min(r["accuracy_equal_steps"], r["accuracy_equal_time"]) for r in rows)
-    right.set_ylim(max(0.0, low - 0.05), 1.0)
-    right.set_xticks(x, labels)
-    right.set_ylabel("test accuracy")
-    right.legend(loc="lower right")
-    fig.suptitle(f"Backup workers, 4 workers, MNIST CNN, one straggler (worker {SLOW_WORKER}); "
-                 f"{result['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -79,36 +79,6 @@ def add_ratios(rows: list[dict]) -> None:
         r["ratio_to_plain_tf"] = r["images_per_s"] / plain["images_per_s"] if plain else None
 
 
-def chart(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = result["configs"]
-    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4.5), squeeze=False)
-    for ax, config in zip(axes[0], configs):
-        rows = [r for r in result["rows"] if r["config"] == config]
-        peers = [p for p in PEERS if any(r["peer"] == p for r in rows)]
-        width = 0.8 / len(result["workers"])
-        for k, workers in enumerate(result["workers"]):
-            values = []
-            for p in peers:
-                r = next((r for r in rows if r["peer"] == p and r["num_workers"] == workers), None)
-                values.append(r["images_per_s"] if r and r["status"] == "ok" else 0.0)
-            xs = [i + (k - (len(result["workers"]) - 1) / 2) * width for i in range(len(peers))]
-            ax.bar(xs, values, width, label=f"{workers} worker(s)")
-        ax.set_xticks(range(len(peers)))
-        ax.set_xticklabels([PEERS[p][0] for p in peers], rotation=30, ha="right", fontsize=8)
-        c = result["config_details"][config]
-        ax.set_title(f"{config}: {c['model']} {c['image_size']}², batch {c['batch_size']}/replica")
-        ax.set_ylabel("images/s (higher is better)")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"dsgd and peers, {result['machine']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=["comm", "compute"])
@@ -146,7 +116,10 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    chart(result, os.path.splitext(args.out)[0] + ".png")
+    sys.path.insert(0, os.path.dirname(HERE))
+    import charts  # the chart code of every benchmark
+
+    charts.draw(args.out)
     print(f"\n{'config':8s} {'peer':32s} {'N':>2s} {'images/s':>9s} {'vs ps':>6s} {'scaling':>8s}")
     for r in rows:
         if r["status"] != "ok":
