@@ -1,19 +1,25 @@
 """Every tunable default of dsgd, with its unit, in one place."""
 
 STRATEGIES = ("simple", "ps")
-# Gradient compression (strategy="ps"): the 16-bit type float32 gradients travel as.
+"""`DistributedSGD(strategy=)`: "ps" (sharded parameter-server actors sum the
+gradients) or "simple" (the driver averages whole gradients; the reference path)."""
 COMPRESSIONS = {"fp16": "float16", "bf16": "bfloat16"}
-# Local allreduce across one worker's devices; see dsgd/comm/device_mean.py.
+"""`compression=` of `DistributedSGD` (strategy "ps") and `dsgd.train.DsgdConfig`:
+each accepted name and the 16-bit type float32 gradients travel as (None: no
+compression)."""
 ALL_REDUCE_ALGS = ("simple", "tree", "nccl")
+"""`DistributedSGD(all_reduce_alg=)`: the local allreduce across one worker's
+devices (see dsgd/comm/device_mean.py); "nccl" needs `gpu=True`."""
 
 DEFAULT_GRAD_SHARD_BYTES = 10_000_000
+"""Default `grad_shard_bytes`: the largest gradient shard, in bytes."""
 # Seconds a worker waits for a PS mean beyond the driver's own deadline, so that a
 # late PS surfaces as the driver's StepTimeoutError.
 WORKER_WAIT_MARGIN_S = 5.0
-# One worker, train(): steps per actor call (Worker.local_steps), the default of
-# DistributedSGD(local_steps_per_call=). Ray's cost per call is paid once per
-# this many steps; the progress bar moves in such chunks.
 LOCAL_STEPS_PER_CALL = 8
+"""Default `local_steps_per_call`: with one worker, `train()` runs this many steps
+per actor call (Worker.local_steps), so Ray's cost per call is paid once per
+that many steps; the progress bar moves in such chunks."""
 # Each worker and PS actor faults in its page-table entries for this many
 # steps' worth of objects at the start of its object-store mapping
 # ((num_workers + 1) x gradient bytes per step; see store.warm).
@@ -21,23 +27,27 @@ STORE_WARM_STEPS = 8
 # ... but at most this many bytes per process (8 MB of page tables), so
 # that start-up stays short with very large gradients or many workers.
 STORE_WARM_MAX_BYTES = 4 * 2**30
-# A step that has not finished after this long raises StepTimeoutError.
 DEFAULT_STEP_TIMEOUT_S = 600.0
-# Worker start-up (import TensorFlow, build replicas) must finish within this.
+"""Default `step_timeout_s`, in seconds: a step (or any other remote call) that
+has not answered after this long raises `StepTimeoutError`."""
 DEFAULT_START_TIMEOUT_S = 600.0
-# CPUs Ray reserves for each worker actor (its devices run in that process).
+"""Default `start_timeout_s`, in seconds: worker start-up (import TensorFlow,
+build the replicas) must finish within this."""
 DEFAULT_NUM_CPUS_PER_WORKER = 1
+"""Default `num_cpus_per_worker`: CPUs Ray reserves for each worker actor (its
+devices run in that process)."""
 # PS actors only sum buffers; they reserve no CPU slot so that they never keep
 # a worker from being scheduled on a small node.
 PS_NUM_CPUS = 0
 
-# What a step does with a NaN/Inf gradient (see DistributedSGD's on_nonfinite).
 ON_NONFINITE = ("raise", "skip", "ignore")
-# Actor deaths a DistributedSGD survives over its life before giving up.
+"""`DistributedSGD(on_nonfinite=)`: what a step does with a NaN/Inf gradient."""
 DEFAULT_MAX_FAILURES = 3
-# Longest interval between stall reports while a wait is pending, in seconds
-# (Horovod's stall inspector warns after 60 s).
+"""Default `max_failures`: actor deaths a `DistributedSGD` survives over its life."""
 MAX_STALL_WARNING_S = 60.0
+"""Longest interval between stall reports while a wait is pending, in seconds:
+the default `stall_warning_s` is `step_timeout_s / 4`, at most this (Horovod's
+stall inspector warns after 60 s)."""
 # The same while workers start (import TensorFlow, build and compile: seconds by nature).
 START_STALL_WARNING_S = 30.0
 # elastic=True: how often a shrunk DistributedSGD looks for room to grow back, in seconds.

@@ -10,34 +10,44 @@ import numpy as np
 class Model:
     """One model replica. dsgd builds one per device by calling
     `model_creator(worker_index, device_index)` inside `tf.device(<device>)` and
-    `tf.name_scope(f"device_{i}")`; build every variable there (in `__init__`)
-    so it lives on that device.
+    `tf.name_scope(f"device_{i}")`, in the worker's process; build every
+    variable there (in `__init__`) so it lives on that device.
 
     Subclasses implement `get_loss` and `get_optimizer`. If they set
     `self.model` to a Keras model, the defaults of `get_variables` and the
-    weight accessors use it.
+    weight accessors use it. dsgd calls these methods in the worker, one
+    replica at a time.
     """
 
     def get_loss(self, batch: Any):
-        """Scalar mean loss of one batch (a `tf.Tensor`). Or a dict: "loss" (that
-        scalar, or with several optimizers one scalar per optimizer) and other
-        scalar metrics, which steps report averaged over replicas.
+        """The loss to minimise on one batch. Required.
 
         Traced into the worker's compiled step (`tf.function`): use TensorFlow
-        ops on `batch`, not Python side effects. `batch` is what `get_batch`
-        returned (or a dataset's batch), converted to tensors.
+        ops on `batch`, not Python side effects.
+
+        Args:
+            batch: what `get_batch` returned (or this replica's share of a
+                `dsgd.Dataset` batch), converted to tensors.
+
+        Returns:
+            (tf.Tensor | dict): The scalar mean loss of the batch. Or a dict:
+                "loss" (that scalar, or with several optimizers one scalar per
+                optimizer) and other scalar metrics, which steps report
+                averaged over replicas.
         """
         raise NotImplementedError("dsgd.Model subclasses must implement get_loss(batch)")
 
     def get_optimizer(self):
         """The Keras optimizer of this replica, or a list of them, each updating
         one group of `get_variable_groups()` (e.g. a GAN's discriminator and
-        generator). Return the same objects on every call, and different
-        objects for every replica."""
+        generator). Required. Return the same objects on every call, and
+        different objects for every replica. It is applied to the mean
+        gradient over all replicas."""
         raise NotImplementedError("dsgd.Model subclasses must implement get_optimizer()")
 
     def get_variables(self) -> list:
-        """Trainable variables, in a fixed order that is the same on every replica."""
+        """Trainable variables, in a fixed order that is the same on every replica.
+        Default: `self.model.trainable_variables`."""
         model = getattr(self, "model", None)
         if model is None:
             raise NotImplementedError("override get_variables() or set self.model to a Keras model")
@@ -57,12 +67,15 @@ class Model:
         return [self.get_variables()]
 
     def get_batch(self) -> Any:
-        """Next batch for `get_loss`; runs eagerly in Python, once per step. Default: None
-        (for a `get_loss` that reads its own input pipeline)."""
+        """Next batch for `get_loss`; runs eagerly in Python, once per `step()`
+        (not when the steps' batches come from a `dsgd.Dataset`). Default:
+        None (for a `get_loss` that reads its own input pipeline)."""
         return None
 
     def get_metrics(self) -> dict[str, float]:
-        """Optional evaluation, run eagerly on request; default: no metrics."""
+        """Optional evaluation, run eagerly when the user asks (e.g. through
+        `DistributedSGD.foreach_model`); dsgd never calls it itself. Default:
+        no metrics."""
         return {}
 
     def steps_per_epoch(self) -> int | None:
@@ -72,10 +85,21 @@ class Model:
         return None
 
     def get_weights(self) -> list[np.ndarray]:
-        """Copies of the trainable variables' values, in `get_variables()` order."""
+        """Copies of the trainable variables' values, in `get_variables()` order:
+        new numpy arrays the caller owns."""
         return [np.array(v.numpy()) for v in self.get_variables()]
 
     def set_weights(self, weights: list[np.ndarray]) -> None:
+        """Assign `weights` to the trainable variables (values copied into them,
+        cast to each variable's dtype; the caller keeps its arrays).
+
+        Args:
+            weights: one array per variable, in `get_variables()` order.
+
+        Raises:
+            ValueError: wrong number of arrays, or an array whose shape is not
+                its variable's (nothing is assigned from that array on).
+        """
         variables = self.get_variables()
         if len(weights) != len(variables):
             raise ValueError(f"set_weights: got {len(weights)} arrays for {len(variables)} variables")
@@ -91,16 +115,22 @@ class KerasModel(Model):
     """A plain Keras model trained on a `tf.data.Dataset` of `(x, y)` batches.
 
     Args:
-        model: a `keras.Model`; built here from the dataset's element spec if needed.
-        loss_fn: a Keras loss (object, function or name) called as `loss_fn(y, y_pred)`;
-            per-example losses are averaged. The model's own `losses` are added.
-        optimizer: a Keras optimizer (or its name). Create it inside `model_creator`
-            so every replica has its own.
-        dataset: yields `(x, y)` batches (the per-replica batch size is the
+        model (keras.Model): the model; built here from the dataset's element
+            spec if needed.
+        loss_fn (keras.losses.Loss | Callable | str): a Keras loss (object,
+            function or name) called as `loss_fn(y, y_pred)`; per-example
+            losses are averaged. The model's own `losses` are added.
+        optimizer (keras.optimizers.Optimizer | str): a Keras optimizer (or its
+            name). Create it inside `model_creator` so every replica has its own.
+        dataset (tf.data.Dataset | None): yields `(x, y)` batches (the per-replica batch size is the
             dataset's); repeated forever. Shard it by `(worker_index, device_index)`
             so replicas see different data. None: batches come only from
             `DistributedSGD.train(dataset=...)` (then `model` must be built,
             e.g. start it with `keras.Input`).
+
+    Raises:
+        TypeError: `model`, `loss_fn` or `dataset` of the wrong type.
+        ValueError: an unbuilt `model` without a dataset.
     """
 
     def __init__(self, model, loss_fn, optimizer, dataset=None):

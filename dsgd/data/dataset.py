@@ -41,17 +41,31 @@ class Dataset:
 
     A batch stacks `batch_size` examples position by position: `(x, y)` examples
     give `(x[batch], y[batch])`; a `ray.data.Dataset` gives Ray Data's dict of
-    numpy columns. See README "Data" for sharding, epochs and failures.
+    numpy columns. Each worker reads its own shard, a repeated sequence: for
+    data of known length that shards evenly, one epoch is
+    `len / (num_workers * batch_size)` steps and every item is seen once per
+    epoch. Constructing it starts no Ray work; `train` does. See README "Data"
+    for sharding, epochs and failures.
 
-    Raises, before any Ray work: TypeError for a non-iterable `data` or a
-    non-callable or unpicklable function, ValueError for empty data or a
-    non-positive `batch_size`/`max_concurrency`. At the first batch that needs
-    it (in `train`): ValueError for data shorter than one step (it would
-    repeat rows within the step; a `ray.data.Dataset` that is empty or has
-    fewer rows than one step), examples whose structure or shapes differ (in
-    one batch, or between blocks of downloaded examples), and a `DsgdError`
-    naming the rows for a batch (after `transform`) that is not numeric
-    arrays (strings, objects) or whose number of rows `transform` changed.
+    Attributes:
+        position: rows of a Python iterable's stream consumed by `train` so far
+            (where the next `train` on it continues).
+
+    Raises:
+        TypeError: (at construction, before any Ray work) a non-iterable
+            `data`, or a non-callable or unpicklable function.
+        ValueError: (at construction) empty data, a non-positive
+            `batch_size`/`max_concurrency`, `download_func` or `shuffle` with a
+            `ray.data.Dataset`, `shuffle` with data of unknown length. At the
+            first batch that needs it (in `train`): data shorter than one step
+            (it would repeat rows within the step; a `ray.data.Dataset` that
+            is empty or has fewer rows than one step), examples whose
+            structure or shapes differ (in one batch, or between blocks of
+            downloaded examples), a `batch_size` that does not split evenly
+            among a worker's devices.
+        DsgdError: (in `train`) a batch (after `transform`) that is not numeric
+            arrays (strings, objects) or whose number of rows `transform`
+            changed; names the rows.
     """
 
     def __init__(self, data: Iterable | Any, *, download_func: Callable | None = None,
@@ -115,8 +129,15 @@ class Dataset:
         return StreamFeed(self, self._stream)
 
     def with_batch_size(self, batch_size: int) -> Dataset:
-        """The same data (same position, same downloaded blocks) with another
-        `batch_size`; this Dataset is unchanged."""
+        """The same data (same position, same downloaded blocks, shared, not
+        copied) with another `batch_size`; this Dataset is unchanged.
+
+        Args:
+            batch_size: examples per worker per step.
+
+        Returns:
+            A new `Dataset`.
+        """
         import copy
 
         _positive_int("batch_size", batch_size)

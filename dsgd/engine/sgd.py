@@ -40,24 +40,34 @@ class DistributedSGD:
     Builds `num_workers` worker actors with `devices_per_worker` replicas each,
     broadcasts worker 0 / replica 0's weights to every replica, and on each
     `step()` applies the mean gradient over all replicas to every replica.
+    Starts Ray (`ray.init()`) if it is not running. Inside a placement group
+    (e.g. a Ray Tune trial) the workers are placed in its bundles; otherwise
+    they are spread over the cluster. Also a context manager: leaving the
+    `with` block calls `shutdown()`.
+
+    The constructor blocks until every worker has started, built its replicas
+    and received the broadcast weights: at most `start_timeout_s` for the
+    start-up and `step_timeout_s` for each later call.
 
     Args:
         model_creator: `(worker_index, device_index) -> dsgd.Model`, called in each
             worker under the replica's `tf.device` and `tf.name_scope(f"device_{i}")`.
+            It travels pickled.
         num_workers: worker actors (Ray processes).
         devices_per_worker: replicas per worker: GPUs with `gpu=True`, else logical
             CPU devices carved out of the worker's CPU.
         gpu: ask Ray for `devices_per_worker` GPUs per worker.
         strategy: "ps" (sharded parameter servers) or "simple" (the driver averages
-            whole gradients; the reference path).
+            whole gradients; the reference path). See `dsgd.constants.STRATEGIES`.
         grad_shard_bytes: largest gradient shard, in bytes ("ps").
         all_reduce_alg: local allreduce across a worker's devices, one of
-            `dsgd.constants.ALL_REDUCE_ALGS`.
+            `dsgd.constants.ALL_REDUCE_ALGS` ("nccl" needs `gpu=True`).
         num_ps: PS actors ("ps"); default one per shard, at most `num_workers`.
         num_cpus_per_worker: CPUs Ray reserves for each worker.
-        step_timeout_s: longest wait for one step (or one call) before
-            `StepTimeoutError`, in seconds.
-        start_timeout_s: longest wait for workers to start and build replicas.
+        step_timeout_s: longest wait for one step (or one call), in seconds;
+            then `StepTimeoutError` (or, with `replace_hung`, a recovery).
+        start_timeout_s: longest wait for workers to start and build replicas,
+            in seconds.
         stall_warning_s: while a wait is pending, log a stall report naming the
             actors that have not answered every this many seconds (default:
             a quarter of `step_timeout_s`, at most 60 s).
@@ -82,11 +92,6 @@ class DistributedSGD:
         worker_init: called with no arguments in every worker process before
             its replicas are built (e.g. to set environment variables or a
             Keras precision policy); it travels pickled.
-        local: run the one worker (num_workers=1) in this process instead of
-            an actor, its steps eager (not compiled), so that a debugger or
-            `breakpoint()` in `model_creator` or `get_loss` stops in this
-            terminal; the same driver code path otherwise (dsgd/engine/local.py).
-            For debugging: slower, and a worker that raises is not replaced.
         compression: None, "fp16" or "bf16" (strategy="ps", 2+ workers): float32
             gradients travel as 16-bit values (half the bytes through the store
             and the network). Each worker rounds its local mean gradient to
@@ -97,25 +102,43 @@ class DistributedSGD:
             gradient, handled by `on_nonfinite`); bf16 keeps float32's range
             with 8 significant bits. One worker exchanges nothing and is not
             affected.
+        backup_workers: b, with 0 <= b < `num_workers`: each step averages the
+            gradients of the first `num_workers - b` workers to report them
+            (the same set in every shard) and every worker applies that mean;
+            a late worker sits out the steps it fell behind on and applies
+            their means, so weights stay identical. `step()`'s stats name the
+            contributors. 0: every worker contributes to every step.
+        local: run the one worker (num_workers=1) in this process instead of
+            an actor, its steps eager (not compiled), so that a debugger or
+            `breakpoint()` in `model_creator` or `get_loss` stops in this
+            terminal; the same driver code path otherwise (dsgd/engine/local.py).
+            For debugging: slower, and a worker that raises is not replaced.
+        apply_per_group: (performance switch, never changes results) strategy
+            "ps" with several PS groups: each worker applies a group's mean as
+            soon as it is in the store, where the optimizers allow it
+            (`per_group_blocker` says why not); False: one apply per step.
+        local_steps_per_call: (performance switch, never changes results) one
+            worker, `train()`: steps per actor call.
 
-    Inside a placement group (e.g. a Ray Tune trial) the workers are placed in
-    its bundles; otherwise they are spread over the cluster.
+    Raises:
+        TypeError: a bad argument (wrong type, or a function Ray cannot
+            pickle), before any actor starts; the message names it.
+        ValueError: a bad argument value, before any actor starts; the message
+            names it and the accepted values.
+        ResourceError: the cluster cannot hold the workers (before any actor
+            starts) or, once the workers have built their models, the object
+            store cannot hold a step.
+        ModelMismatchError: the replicas disagree on variable count, shape or
+            dtype.
+        StepTimeoutError: the workers did not start within `start_timeout_s`.
 
-    Keyword-only performance switches, which never change results:
-        apply_per_group: strategy "ps" with several PS groups: each worker
-            applies a group's mean as soon as it is in the store, where the
-            optimizers allow it (`per_group_blocker` says why not); False: one
-            apply per step.
-        local_steps_per_call: one worker, `train()`: steps per actor call.
+    Attributes:
+        config: the `dsgd.config.Config` built from these arguments, frozen.
 
     The driver's state is made here and changed only by the engine's own
-    objects: `config` (this `dsgd.config.Config`, frozen), the actors and
-    membership (dsgd/engine/actors.py), the topology and progress
-    (dsgd/engine/state.py), the datasets' feeds (dsgd/engine/feeds.py).
-
-    Raises, before any actor starts: TypeError/ValueError for bad arguments,
-    `ResourceError` when the cluster cannot hold the workers (or, after the
-    workers have built their models, when the object store cannot hold a step).
+    objects: `config`, the actors and membership (dsgd/engine/actors.py), the
+    topology and progress (dsgd/engine/state.py), the datasets' feeds
+    (dsgd/engine/feeds.py).
     """
 
     __slots__ = ("config", "on_workers_changed", "_actors", "_topology", "_progress",
@@ -176,10 +199,12 @@ class DistributedSGD:
 
     @property
     def devices_per_worker(self) -> int:
+        """Replicas per worker, as constructed."""
         return self.config.devices_per_worker
 
     @property
     def step_timeout_s(self) -> float:
+        """Longest wait for one step or call, in seconds, as constructed."""
         return self.config.step_timeout_s
 
     @property
@@ -225,7 +250,8 @@ class DistributedSGD:
 
     @property
     def workers(self) -> list:
-        """Worker actor handles, in worker order."""
+        """Worker actor handles, in worker order (the current ones: a replaced
+        worker has a new handle)."""
         return self._actors.workers
 
     @property
@@ -241,33 +267,50 @@ class DistributedSGD:
     @property
     def instance_id(self) -> str:
         """The id that ends the name of every actor of this instance
-        (dsgd-worker-<i>-<id>, dsgd-ps-<j>-<id>)."""
+        (`dsgd-worker-<i>-<id>`, `dsgd-ps-<j>-<id>`)."""
         return self._actors.suffix
 
     @property
     def ps_info(self) -> list[dict]:
-        """Node of each PS actor, in PS order. Blocks for one call per PS."""
+        """What each PS actor reports (its node), in PS order. Blocks for one
+        call per PS, at most `step_timeout_s`."""
         return self._retried("ps_info", lambda _: (
             [p.ready.remote() for p in self.ps_actors], self.ps_actors))
 
     # -- steps ------------------------------------------------------------------
     def step(self, fetch_stats: bool = False) -> dict | None:
-        """Run one synchronous step on every replica. Blocks until every replica
-        has applied the step's mean gradient; each wait at most `step_timeout_s`.
+        """Run one synchronous step on every replica, each on the batch of its
+        own `get_batch()`.
 
-        If a worker or PS actor dies, it is replaced (see `max_failures`,
-        `elastic`) and the step retried, or not if it had been applied.
+        Blocks until every replica has applied the step's mean gradient; each
+        wait at most `step_timeout_s`. If a worker or PS actor dies, it is
+        replaced (see `max_failures`, `elastic`) and the step retried, or not
+        if it had been applied.
 
-        Returns None, or with `fetch_stats=True` a dict: `loss` (mean over all
-        replicas of their losses before the update), and timings in seconds:
-        `compute_s` (slowest worker's gradient computation, local allreduce and
-        packing), `apply_s` (slowest worker's optimizer update), `exchange_s`
-        (the rest of `step_s`: moving shards and averaging them) and `step_s`
-        (driver wall time, recovery included); `step` (steps applied so far),
-        `skipped` (this step was skipped: non-finite gradient), `skipped_steps`,
-        `num_workers` and `failures` (failures recovered so far); with
-        `backup_workers`, `contributors` (sorted worker indices whose gradients
-        make the step's mean: the loss is theirs) and `dropped` (the others).
+        Args:
+            fetch_stats: return the step's statistics.
+
+        Returns:
+            None, or with `fetch_stats=True` a dict: `loss` (mean over all
+                replicas of their losses before the update), and timings in
+                seconds: `compute_s` (slowest worker's gradient computation,
+                local allreduce and packing), `apply_s` (slowest worker's
+                optimizer update), `exchange_s` (the rest of `step_s`: moving
+                shards and averaging them) and `step_s` (driver wall time,
+                recovery included); `step` (steps applied so far), `skipped`
+                (this step was skipped: non-finite gradient), `skipped_steps`,
+                `num_workers` and `failures` (failures recovered so far); with
+                `backup_workers`, `contributors` (sorted worker indices whose
+                gradients make the step's mean: the loss is theirs) and
+                `dropped` (the others).
+
+        Raises:
+            StepTimeoutError: an actor did not answer within `step_timeout_s`
+                (without `replace_hung`); names it.
+            NonFiniteError: a gradient had NaN/Inf (`on_nonfinite="raise"`).
+            DsgdError: a failure beyond `max_failures`, a dead worker that
+                cannot be replaced (without `elastic`), or a call after
+                `shutdown()`.
         """
         start = time.perf_counter()
         result = next(iter(self._loop.run(None, 1)))
@@ -293,14 +336,37 @@ class DistributedSGD:
         return stats
 
     def train(self, num_steps: int | None = None, dataset=None, *, desc: str = "train") -> dict:
-        """Run `num_steps` steps, each replica's `get_loss(batch)` getting its batch
-        from `dataset` (a `dsgd.Dataset`; `get_batch` is not called), or, without
-        a dataset, from the replicas' own `get_batch()`. Default `num_steps`: one
-        epoch of the dataset (of the replicas' data if their `steps_per_epoch()`
-        says; until the epoch ends for Ray Data). A dataset continues where the
-        last `train` on it stopped. Blocks; shows a progress bar named `desc`
-        when stderr is a terminal. Returns a summary: `loss` (mean over the
-        steps), `steps`, `num_samples`, ... (see dsgd/engine/feeding.py)."""
+        """Run many steps, each replica's `get_loss(batch)` getting its batch from
+        `dataset`, or, without a dataset, from the replicas' own `get_batch()`.
+
+        A dataset continues where the last `train` on it stopped. Blocks until
+        the last step is applied (each wait at most `step_timeout_s`, failures
+        recovered as in `step`); shows a progress bar named `desc` when stderr
+        is a terminal.
+
+        Args:
+            num_steps: steps to run. None: one epoch of the dataset (of the
+                replicas' own data if their `steps_per_epoch()` says; until the
+                epoch ends for Ray Data); streaming data of unknown length needs
+                it.
+            dataset (dsgd.Dataset | None): the data (then `get_batch` is not
+                called), or None.
+            desc: the progress bar's name.
+
+        Returns:
+            A summary: `loss` (mean over the steps), `steps` (steps run),
+                `num_samples` (examples trained on), `skipped_steps`,
+                `train_s` (wall time, seconds), `step_s` (median seconds per
+                step), `samples_per_s`, `workers` (per-worker sums), and more
+                (see dsgd/engine/feeding.py `train`).
+
+        Raises:
+            ValueError: `num_steps` is not a positive int or None, or None
+                where the length of one epoch is unknown or 0 steps.
+            StepTimeoutError: as `step`.
+            NonFiniteError: as `step`.
+            DsgdError: as `step`.
+        """
         entry = None
         if dataset is not None:
             entry, dropped = self._feeds.entry(dataset, self.devices_per_worker)
@@ -343,21 +409,43 @@ class DistributedSGD:
 
     # -- the rest of the API ------------------------------------------------------
     def foreach_worker(self, fn: Callable[[Worker], Any]) -> list:
-        """fn(worker) on every worker actor, in worker order. Blocks, at most
-        `step_timeout_s`. A worker that dies (or hangs, with `replace_hung`)
-        meanwhile is replaced and `fn` runs again on every worker, so a
-        function with side effects (files written, counters) may see them
-        twice on the survivors."""
+        """Run `fn(worker)` on every worker actor, in the worker's process.
+
+        Blocks, at most `step_timeout_s`. A worker that dies (or hangs, with
+        `replace_hung`) meanwhile is replaced and `fn` runs again on every
+        worker, so a function with side effects (files written, counters) may
+        see them twice on the survivors.
+
+        Args:
+            fn: travels pickled; gets the worker object (its replicas are
+                `worker.replicas.replicas`).
+
+        Returns:
+            What `fn` returned on each worker, in worker order, as Ray
+                deserialises it (arrays may be read-only views of the object
+                store).
+        """
         return self._call_all("foreach_worker", fn)
 
     def foreach_model(self, fn: Callable[[Model], Any]) -> list:
-        """fn(replica) on every replica; flat list, worker-major. Blocks. Retried
-        on the new group after a replacement, like `foreach_worker`."""
+        """Run `fn(replica)` on every replica (`dsgd.Model`), in its worker's
+        process.
+
+        Blocks, at most `step_timeout_s`; retried on the new group after a
+        replacement, like `foreach_worker`.
+
+        Returns:
+            What `fn` returned, one entry per replica, worker-major (worker 0's
+                replicas first).
+        """
         return [x for per_worker in self._call_all("foreach_model", fn) for x in per_worker]
 
     def for_model(self, fn: Callable[[Model], Any]) -> Any:
-        """fn on worker 0, replica 0. Blocks. Retried once on the new worker 0
-        after a replacement, like `foreach_worker`."""
+        """Run `fn(replica)` on worker 0's replica 0 and return its result.
+
+        Blocks, at most `step_timeout_s`; retried once on the new worker 0
+        after a replacement, like `foreach_worker`.
+        """
         return self._retried("for_model", lambda w: ([w[0].foreach_model.remote(fn)], w[:1]))[0][0]
 
     def _late_by_index(self, error: StepTimeoutError, workers: list) -> StepTimeoutError:
@@ -375,15 +463,27 @@ class DistributedSGD:
 
     def run_on_workers(self, fn: Callable[..., Any], per_worker: list, *args,
                        timeout_s: float | None = None, what: str = "run_on_workers") -> list:
-        """fn(worker, per_worker[k], *args) on worker k, in worker order (the
-        layers above use it for work split among the workers, e.g. the
-        Trainer's validation). `per_worker` is a list, or a callable returning
-        one (called again after a recovery). A worker that dies (or hangs, with
-        `replace_hung`) meanwhile is replaced (state copied from a survivor,
-        nothing retried in between steps) and the whole call run again once,
-        so `fn` must be safe to repeat. Blocks, at most `timeout_s` (default
-        `step_timeout_s`) per attempt; without `replace_hung` a timeout raises
-        StepTimeoutError and kills nobody."""
+        """Run `fn(worker, per_worker[k], *args)` on worker k: work split among
+        the workers (the layers above use it, e.g. the Trainer's validation).
+
+        A worker that dies (or hangs, with `replace_hung`) meanwhile is
+        replaced (state copied from a survivor, nothing retried in between
+        steps) and the whole call run again once, so `fn` must be safe to
+        repeat. Blocks, at most `timeout_s` per attempt; without
+        `replace_hung` a timeout raises `StepTimeoutError` and kills nobody.
+
+        Args:
+            fn: travels pickled.
+            per_worker: one argument per worker, or a callable returning that
+                list (called again after a recovery, for the new group).
+            *args (Any): passed to every call after the worker's own argument.
+            timeout_s: longest wait per attempt, in seconds (default
+                `step_timeout_s`).
+            what: names the call in errors and logs.
+
+        Returns:
+            What `fn` returned on each worker, in worker order.
+        """
         def submit(workers):
             args_list = per_worker() if callable(per_worker) else per_worker
             return [w.run.remote(fn, a, *args) for w, a in zip(workers, args_list)], workers
@@ -392,12 +492,30 @@ class DistributedSGD:
 
     def get_weights(self) -> list[np.ndarray]:
         """Worker 0 / replica 0's trainable weights (every replica holds the same).
-        Blocks; retried once after a replacement."""
+
+        Blocks, at most `step_timeout_s`; retried once after a replacement.
+
+        Returns:
+            One array per variable, in `get_variables()`
+                order, as Ray deserialises them: large ones are read-only
+                views of the object store (each keeps its object alive); copy
+                (`np.array(w)`) before writing to them.
+        """
         return self._retried("get_weights", lambda w: ([w[0].get_weights.remote()], w[:1]))[0]
 
     def set_weights(self, weights: list[np.ndarray]) -> None:
-        """Set the trainable weights of every replica (one object-store copy).
-        Blocks; a worker lost meanwhile is replaced and every replica set again."""
+        """Set the trainable weights of every replica.
+
+        `weights` is copied once into the object store (`ray.put`) when the
+        call starts; the caller keeps its arrays, free to change them once
+        this returns. Blocks until every replica holds them
+        (at most `step_timeout_s`); a worker lost meanwhile is replaced and
+        every replica set again.
+
+        Args:
+            weights: one array per variable, in `get_variables()` order, with
+                the variables' shapes (values are cast to their dtypes).
+        """
         import ray
 
         ref = ray.put(list(weights))
@@ -405,13 +523,22 @@ class DistributedSGD:
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """Write weights, optimizer state, step count and configuration as the
-        checkpoint `path` (files `path.dsgd.json` and `path.step<N>-<id>.*`),
-        atomically: a crash mid-save leaves the previous checkpoint loadable.
+        checkpoint `path`, atomically: a crash mid-save leaves the previous
+        checkpoint loadable.
+
         Worker 0 / replica 0's state is written by the driver (no shared file
         system needed), with the position in the dataset last trained on.
-        `extra`: JSON-serialisable values stored with it (e.g. a trainer's
-        epoch), which `restore_checkpoint` returns. Blocks until the files are
-        fsynced. Returns `path`."""
+        Blocks until the files are fsynced.
+
+        Args:
+            path: the checkpoint's name: files `path.dsgd.json` and
+                `path.step<N>-<id>.*` are written.
+            extra: JSON-serialisable values stored with it (e.g. a trainer's
+                epoch), which `restore_checkpoint` returns.
+
+        Returns:
+            `path`.
+        """
         config = self.config
         steps = self.steps_done
         files = self._retried("save_checkpoint",
@@ -432,13 +559,25 @@ class DistributedSGD:
         return path
 
     def restore_checkpoint(self, path: str) -> dict | None:
-        """Load a checkpoint written by `save_checkpoint` into every replica (any
-        number of workers), shipped once through the object store; its data
-        position goes to the dataset last trained on (or, if none was, to the
-        next one). Returns the `extra` saved with it (None if none). A
-        truncated or corrupt checkpoint raises CheckpointError, one that does
-        not fit the model ModelMismatchError, both before any replica changes.
-        Blocks."""
+        """Load a checkpoint written by `save_checkpoint` (by any number of
+        workers) into every replica, shipped once through the object store.
+
+        Its data position goes to the dataset last trained on (or, if none
+        was, to the next one). Blocks until every replica is restored (at most
+        `step_timeout_s`).
+
+        Args:
+            path: what `save_checkpoint` was given.
+
+        Returns:
+            The `extra` saved with it, or None.
+
+        Raises:
+            CheckpointError: the checkpoint is truncated or corrupt, before any
+                replica changes.
+            ModelMismatchError: the checkpoint does not fit the model, before
+                any replica changes.
+        """
         import ray
 
         files, meta = checkpoints.read(path)
@@ -449,9 +588,12 @@ class DistributedSGD:
         return meta.get("extra")
 
     def shutdown(self) -> None:
-        """Kill every actor. Idempotent; safe from another thread while a step or a
-        recovery runs (that call then raises DsgdError and no actor is started
-        after). Every later call raises DsgdError."""
+        """Kill every actor. Idempotent; does not wait for the processes to exit.
+
+        Safe from another thread while a step or a recovery runs (that call
+        then raises `DsgdError` and no actor is started after). Every later
+        call raises `DsgdError`.
+        """
         self._actors.shutdown()
 
     def __enter__(self) -> DistributedSGD:

@@ -21,7 +21,13 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Horovod's: at the end of the first batch, every rank's model and optimizer
     variables are set to rank `root_rank`'s, so all ranks go on from the same
     state (after the first batch, as Horovod: the optimizer's variables exist
-    only once it has applied a step). Put it first in `callbacks`."""
+    only once it has applied a step). Put it first in `callbacks`. That batch
+    end blocks until every rank has reached it.
+
+    Args:
+        root_rank: the rank whose state every rank takes.
+        device: ignored (Horovod's device hint).
+    """
 
     def __init__(self, root_rank: int = 0, device: str = ""):
         super().__init__()
@@ -40,7 +46,12 @@ class MetricAverageCallback(keras.callbacks.Callback):
     """Horovod's: at the end of every epoch, each numeric entry of `logs` (loss,
     metrics, validation ones) becomes its mean over all ranks, in place, so
     callbacks after it (checkpoints, early stopping, schedules) see the same
-    values on every rank. Put it before them."""
+    values on every rank. Put it before them. Each epoch end blocks until every
+    rank has reached it; ranks that logged different metrics raise ValueError.
+
+    Args:
+        device: ignored (Horovod's device hint).
+    """
 
     def __init__(self, device: str = ""):
         super().__init__()
@@ -61,14 +72,29 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
-    """Horovod's: from `start_epoch` to `end_epoch` (exclusive; None: to the end)
-    the learning rate is `initial_lr * multiplier(epoch)` (`multiplier` a number
-    or a function of the epoch); with `staircase=False` the epoch is fractional
-    and the rate changes every batch (`steps_per_epoch` batches an epoch,
-    default: what fit() says). With `momentum_correction` (SGD with momentum),
-    a rate change from lr to lr' scales the momentum buffers by lr'/lr, which is
-    Horovod's one-step momentum * lr'/lr (Keras's momentum is folded into the
-    buffer). Outside [start_epoch, end_epoch) the rate is left as it is."""
+    """Horovod's: from `start_epoch` to `end_epoch` the learning rate is
+    `initial_lr * multiplier(epoch)`; outside [start_epoch, end_epoch) it is
+    left as it is. Local to each rank (no exchange); the epoch's rate is
+    added to `logs` as "lr".
+
+    Args:
+        initial_lr (float): the base learning rate, > 0.
+        multiplier (float | Callable): a number, or a function of the epoch.
+        start_epoch: the first epoch it applies to.
+        end_epoch: the first epoch it no longer applies to; None: to the end.
+        staircase: True: the rate changes at epoch starts; False: the epoch is
+            fractional and the rate changes every batch.
+        momentum_correction: (SGD with momentum) a rate change from lr to lr'
+            scales the momentum buffers by lr'/lr, which is Horovod's one-step
+            momentum * lr'/lr (Keras's momentum is folded into the buffer).
+        steps_per_epoch: batches in an epoch (for `staircase=False`); default:
+            what fit() says.
+        verbose: Keras's verbosity.
+
+    Raises:
+        ValueError: `initial_lr` not positive; at `fit()`, no
+            `steps_per_epoch` known with `staircase=False`.
+    """
 
     def __init__(self, initial_lr, multiplier, start_epoch: int = 0, end_epoch: int | None = None,
                  staircase: bool = True, momentum_correction: bool = True,
@@ -125,7 +151,15 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     every batch, from `initial_lr / size()` to `initial_lr` (Goyal et al.'s
     gradual warm-up: `initial_lr` is the rate scaled for `size()` workers):
     lr = initial_lr / size * (e * (size - 1) / warmup_epochs + 1) at fractional
-    epoch e (+1 batch, so each epoch ends on a round value)."""
+    epoch e (+1 batch, so each epoch ends on a round value).
+
+    Args:
+        initial_lr (float): the rate reached at the end of the warm-up, > 0.
+        warmup_epochs: epochs of warm-up.
+        momentum_correction: as `LearningRateScheduleCallback`'s.
+        steps_per_epoch: batches in an epoch; default: what fit() says.
+        verbose: > 0: print when the warm-up ends.
+    """
 
     def __init__(self, initial_lr, warmup_epochs: int = 5, momentum_correction: bool = True,
                  steps_per_epoch: int | None = None, verbose: int = 0):

@@ -16,10 +16,13 @@ import numpy as np
 
 from dsgd.train import exchange
 
-# Horovod's reduction ops (same values as horovod.tensorflow's).
 Average = 0
+"""Reduction op (`op=`): the mean over ranks. Horovod's value and the default."""
 Sum = 1
-Adasum = 2  # named so that a port fails with a clear error, not a NameError
+"""Reduction op (`op=`): the sum over ranks. Horovod's value."""
+Adasum = 2
+"""Horovod's Adasum op: not supported. Named so that a port fails with a clear
+ValueError at the call, not a NameError."""
 
 
 class _Compressor:
@@ -64,7 +67,13 @@ class BF16Compressor(_Compressor):
 
 
 class Compression:
-    """Horovod's `hvd.Compression`: `none`, `fp16`, and `bf16`."""
+    """Horovod's `hvd.Compression`, the `compression=` of the exchanges:
+    `Compression.none` (gradients travel in their own dtype), `.fp16` and
+    `.bf16` (float32 gradients travel as that 16-bit type; the mean is summed
+    in float32 and rounded once, as the engine's `compression`). dsgd does not
+    cast in the graph; each also has Horovod's `compress(tensor) -> (tensor,
+    ctx)` and `decompress(tensor, ctx)` casts, for code that calls them
+    itself."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
@@ -83,14 +92,18 @@ def wire_of(compression) -> str | None:
 
 # -- the run's shape --------------------------------------------------------------
 def init(*args, **kwargs) -> None:
-    """Horovod's `hvd.init()`: nothing to start inside a dsgd Ray Train worker (the
-    backend started the PS actors); outside one, DsgdError saying how to launch."""
+    """Horovod's `hvd.init()`: nothing to start inside a dsgd Ray Train worker
+    (the backend started the PS actors). Arguments are accepted and ignored.
+
+    Raises:
+        DsgdError: outside a dsgd Ray Train worker; says how to launch.
+    """
     exchange.context()
 
 
 def is_initialized() -> bool:
-    """True inside a dsgd Ray Train worker (a `DsgdTrainer` loop, or a script run
-    with `python -m dsgd.train.run`)."""
+    """Whether this process is a dsgd Ray Train worker (a `DsgdTrainer` loop,
+    or a script run with `python -m dsgd.train.run`)."""
     return exchange.installed()
 
 
@@ -100,7 +113,9 @@ def shutdown() -> None:
 
 
 def size() -> int:
-    """Number of workers (ranks) in the run."""
+    """Number of workers (ranks) in the run. Raises `DsgdError` outside a dsgd
+    Ray Train worker, as do `rank`, `local_rank`, `local_size`, `cross_rank`,
+    `cross_size` and `is_homogeneous`."""
     return exchange.topology()["size"]
 
 
@@ -178,16 +193,43 @@ def _dense(tensor):
 def grouped_allreduce(tensors, average=None, compression=Compression.none, op=None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       name: str | None = None, **ignored) -> list:
-    """The mean (op=Average, the default) or sum (op=Sum) over all ranks of each
-    tensor, in one exchange: same shapes and dtypes on every rank.
-    IndexedSlices are made dense first (Horovod's `sparse_as_dense`). Floating
-    tensors are averaged as the engine averages (float32 sums, 16-bit values
-    summed in float32 and rounded once); integer tensors are summed exactly in
-    float64 (|values| < 2**53), and their Average is `sum / size()` as
-    TensorFlow divides integers (float64). `prescale_factor` multiplies each
-    tensor before, `postscale_factor` the result after. Blocks until every rank
-    called it. Horovod's device/process-set arguments are accepted and
-    ignored."""
+    """Horovod's `hvd.grouped_allreduce`: the mean or sum over all ranks of each
+    tensor, in one exchange.
+
+    Floating tensors are averaged as the engine averages (float32 sums,
+    16-bit values summed in float32 and rounded once); integer tensors are
+    summed exactly in float64 (|values| < 2**53), and their Average is
+    `sum / size()` as TensorFlow divides integers (float64). Works eagerly and
+    inside `tf.function`. Blocks until every rank has made the call (at most
+    `DsgdConfig.timeout_s` seconds). The inputs are only read; the results are
+    tensors of their own, valid as long as they are referenced. Horovod's
+    device/process-set arguments are accepted and ignored.
+
+    Args:
+        tensors (list): tensors, or `tf.IndexedSlices` (made dense first,
+            Horovod's `sparse_as_dense`), with the same shapes and dtypes on
+            every rank.
+        average (bool | None): Horovod's older form of `op` (True: Average).
+        compression (type): `Compression.none`, `.fp16` or `.bf16`: the wire
+            type of floating tensors.
+        op (int | None): `Average` (the default) or `Sum`.
+        prescale_factor: multiplies each tensor before the exchange.
+        postscale_factor: multiplies each result after it.
+        name: the op's name inside a `tf.function`.
+        **ignored (Any): Horovod's other arguments, ignored.
+
+    Returns:
+        One result per tensor, in order.
+
+    Raises:
+        ValueError: `op=Adasum` or an unknown op, both `op` and `average`, or
+            a bad `compression`.
+        TypeError: a tensor that is neither floating nor integer.
+        TimeoutError: a rank did not make the call within
+            `DsgdConfig.timeout_s` (names the missing ranks), or a PS did not
+            answer (`StepTimeoutError`).
+        DsgdError: a PS actor died, or no dsgd backend in this process.
+    """
     import tensorflow as tf
 
     op = _op_of(op, average)
@@ -231,7 +273,24 @@ def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str =
               compression=Compression.none, op=None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, name: str | None = None, **ignored):
     """Horovod's `hvd.allreduce`: the mean (default) or sum of `tensor` over all
-    ranks (see `grouped_allreduce`)."""
+    ranks; `grouped_allreduce` of one tensor (same arguments, blocking and
+    errors).
+
+    Args:
+        tensor (tf.Tensor | tf.IndexedSlices): same shape and dtype on every rank.
+        average (bool | None): Horovod's older form of `op`.
+        device_dense: ignored (Horovod's device hint).
+        device_sparse: ignored (Horovod's device hint).
+        compression (type): `Compression.none`, `.fp16` or `.bf16`.
+        op (int | None): `Average` (the default) or `Sum`.
+        prescale_factor: multiplies the tensor before the exchange.
+        postscale_factor: multiplies the result after it.
+        name: the op's name inside a `tf.function`.
+        **ignored (Any): Horovod's other arguments, ignored.
+
+    Returns:
+        (tf.Tensor): The reduced tensor, of `tensor`'s shape.
+    """
     return grouped_allreduce([tensor], average=average, compression=compression, op=op,
                              prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                              name=name)[0]
@@ -239,8 +298,22 @@ def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str =
 
 def allgather(tensor, name: str | None = None, **ignored):
     """Horovod's `hvd.allgather`: every rank's `tensor` concatenated on the first
-    axis, in rank order. The first dimension may differ between ranks; the
-    other dimensions and the dtype may not (ValueError naming the ranks)."""
+    axis, in rank order. Eagerly or inside `tf.function`; blocks until every
+    rank has made the call (at most `DsgdConfig.timeout_s` seconds).
+
+    Args:
+        tensor (tf.Tensor): at least one dimension. The first dimension may
+            differ between ranks; the others and the dtype may not.
+        name: the op's name inside a `tf.function`.
+        **ignored (Any): Horovod's other arguments, ignored.
+
+    Returns:
+        (tf.Tensor): A new tensor.
+
+    Raises:
+        ValueError: a scalar `tensor`, or ranks whose trailing dimensions or
+            dtypes differ (naming them).
+    """
     import tensorflow as tf
 
     tensor = _dense(tensor)
@@ -263,7 +336,22 @@ def allgather(tensor, name: str | None = None, **ignored):
 
 def broadcast(tensor, root_rank: int, name: str | None = None, **ignored):
     """Horovod's `hvd.broadcast`: rank `root_rank`'s value of `tensor` on every
-    rank (each rank's tensor must have the root's shape and dtype)."""
+    rank. Eagerly or inside `tf.function`; blocks until every rank has made
+    the call (at most `DsgdConfig.timeout_s` seconds).
+
+    Args:
+        tensor (tf.Tensor): each rank's must have the root's shape and dtype.
+        root_rank: the rank whose value is sent.
+        name: the op's name inside a `tf.function`.
+        **ignored (Any): Horovod's other arguments, ignored.
+
+    Returns:
+        (tf.Tensor): The root's value, as a new tensor (`tensor` is unchanged).
+
+    Raises:
+        ValueError: `root_rank` out of range, or a shape or dtype that differs
+            from the root's.
+    """
     return _broadcast_tensors([_dense(tensor)], root_rank, name or "dsgd_broadcast")[0]
 
 
@@ -285,10 +373,25 @@ def _broadcast_tensors(tensors: list, root_rank: int, name: str) -> list:
 
 
 def broadcast_variables(variables, root_rank: int = 0):
-    """Horovod's `hvd.broadcast_variables`: set every rank's `variables` (tf or
-    Keras variables, the same list on every rank) to rank `root_rank`'s values,
-    in one exchange. Eagerly, or inside a `tf.function` (Horovod's first-batch
-    pattern); there it returns the op that assigns them."""
+    """Horovod's `hvd.broadcast_variables`: set every rank's `variables` to rank
+    `root_rank`'s values, in one exchange (values assigned into the
+    variables). Eagerly, or inside a `tf.function` (Horovod's first-batch
+    pattern). Blocks until every rank has made the call (at most
+    `DsgdConfig.timeout_s` seconds).
+
+    Args:
+        variables (Iterable): tf or Keras variables, the same list (shapes,
+            dtypes) on every rank.
+        root_rank: the rank whose values are sent.
+
+    Returns:
+        (tf.Operation | None): None eagerly; inside a `tf.function`, the op
+            that assigns them.
+
+    Raises:
+        ValueError: `root_rank` out of range, or a variable whose shape or
+            dtype differs from the root's.
+    """
     import tensorflow as tf
 
     variables = list(variables)
@@ -302,12 +405,38 @@ def broadcast_variables(variables, root_rank: int = 0):
 
 def broadcast_object(obj, root_rank: int = 0, name: str | None = None, **ignored):
     """Horovod's `hvd.broadcast_object`: rank `root_rank`'s picklable `obj` on
-    every rank (eagerly)."""
+    every rank (eagerly; not inside `tf.function`). Blocks until every rank has
+    made the call (at most `DsgdConfig.timeout_s` seconds).
+
+    Args:
+        obj (Any): the root's value (the other ranks' are ignored).
+        root_rank: the rank whose `obj` is sent.
+        name: ignored.
+        **ignored (Any): Horovod's other arguments, ignored.
+
+    Returns:
+        (Any): The root's object, an unpickled copy (with one rank, `obj`
+            itself).
+
+    Raises:
+        ValueError: `root_rank` out of range.
+    """
     exchange._check_root(root_rank, size())
     return exchange.broadcast(obj, root_rank)
 
 
 def allgather_object(obj, name: str | None = None, **ignored) -> list:
     """Horovod's `hvd.allgather_object`: every rank's picklable `obj`, in rank
-    order (eagerly)."""
+    order (eagerly; not inside `tf.function`). Blocks until every rank has made
+    the call (at most `DsgdConfig.timeout_s` seconds).
+
+    Args:
+        obj (Any): this rank's value.
+        name: ignored.
+        **ignored (Any): Horovod's other arguments, ignored.
+
+    Returns:
+        One unpickled copy of each rank's object, in rank order (with one
+            rank, `[obj]`).
+    """
     return exchange.gather(obj)

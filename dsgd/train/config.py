@@ -17,7 +17,9 @@ logger = logging.getLogger("dsgd")
 
 @dataclass
 class DsgdConfig(BackendConfig):
-    """dsgd's Ray Train backend.
+    """The options of dsgd's Ray Train backend (`DsgdTrainer(dsgd_config=)`,
+    or `DataParallelTrainer(backend_config=)`). A dataclass, checked at
+    construction.
 
     Args:
         num_ps: PS actors (default: one per worker), each pinned beside a worker
@@ -29,7 +31,12 @@ class DsgdConfig(BackendConfig):
             the PS actor or the ranks that did not answer.
         compression: None, "fp16" or "bf16": float32 gradients travel (and are
             averaged, in float32, then rounded once) as that 16-bit type, as
-            the engine's `compression`.
+            the engine's `compression`. A collective's own `compression`
+            argument overrides it.
+
+    Raises:
+        ValueError: a value out of range (named), or `devices_per_worker`
+            other than 1.
     """
 
     num_ps: int | None = None
@@ -58,19 +65,26 @@ class DsgdConfig(BackendConfig):
 
     @property
     def backend_cls(self):
+        """`DsgdBackend`: what Ray Train instantiates for this config."""
         return DsgdBackend
 
 
 class DsgdBackend(Backend):
-    """on_start: the engine's PS actors (dsgd/comm/param_server.py, placed as the
-    engine places them: PS j beside worker j), named dsgd-ps-<j>-<run id>, then
-    the exchange context installed in every worker; on_shutdown: the PS actors
-    killed."""
+    """The Ray Train `Backend` of `DsgdConfig`; Ray Train calls it, users do not.
+
+    `on_start` (when Ray Train starts or restarts its worker group) starts the
+    engine's PS actors (dsgd/comm/param_server.py, placed as the engine places
+    them: PS j beside worker j), named `dsgd-ps-<j>-<run id>`, then installs the
+    exchange context in every worker; `on_shutdown` kills the PS actors.
+    """
 
     def __init__(self):
         self.ps: list = []
 
     def on_start(self, worker_group, backend_config: DsgdConfig) -> None:
+        """Start the PS actors (killing a previous group's first) and install
+        the exchange in every worker. Blocks until every PS answers, at most
+        `backend_config.timeout_s` seconds."""
 
         from dsgd.comm.param_server import (ParameterServer, ps_actor_class, ps_nodes,
                                             ps_options, rendezvous_concurrency)
@@ -98,6 +112,7 @@ class DsgdBackend(Backend):
                     ", ".join(names))
 
     def on_shutdown(self, worker_group, backend_config: DsgdConfig) -> None:
+        """Kill the PS actors (already dead ones are skipped). Does not wait."""
         import ray
 
         for handle in self.ps:

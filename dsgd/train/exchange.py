@@ -178,7 +178,7 @@ def _warm(ctx: dict, plan) -> None:
     """Fault in the store pages the exchanges of `plan` will write, here and on
     every PS, as the engine does at configure time (dsgd/comm/store.py `warm`):
     without it, each put of the first tens of steps pays the kernel's zeroing
-    of fresh pages (measured: puts of 100 MB took 30-190 ms instead of ~30)."""
+    of fresh pages (benchmarks/design_measurements.md)."""
     from dsgd.comm import store
 
     _, size = world()

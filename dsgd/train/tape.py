@@ -39,11 +39,23 @@ def mean_tensors(tensors: list, compression=None, op=Average) -> list:
 
 class DistributedGradientTape:
     """Horovod's `hvd.DistributedGradientTape(tape, compression=..., op=...)`: wraps
-    a `tf.GradientTape`; `gradient(target, sources)` returns the mean (op=Sum:
-    the sum) over all Ray Train workers of every worker's gradient, in one
-    exchange, compressed on the wire as `compression` says
-    (`dsgd.train.Compression.none`, `.fp16`, `.bf16`). Other attributes go to
-    the wrapped tape."""
+    a `tf.GradientTape` so that `gradient` returns the mean over all Ray Train
+    workers. Other attributes go to the wrapped tape.
+
+    Args:
+        gradtape (tf.GradientTape): the tape that recorded the loss.
+        compression (type): `dsgd.train.Compression.none`, `.fp16` or `.bf16`:
+            the gradients' wire type.
+        op (int): `dsgd.train.Average` or `dsgd.train.Sum`.
+        gradient_predivide_factor: must stay 1.0 (not supported).
+        **hints (Any): Horovod's device, sparse-as-dense, grouping and
+            process-set arguments, accepted and ignored.
+
+    Raises:
+        TypeError: an unknown keyword argument.
+        ValueError: a bad `compression` or `op`, or
+            `gradient_predivide_factor` other than 1.0.
+    """
 
     def __init__(self, gradtape, compression=Compression.none, op=Average,
                  gradient_predivide_factor: float = 1.0, **hints):
@@ -56,6 +68,23 @@ class DistributedGradientTape:
         self._tape, self._compression, self._op = gradtape, compression, op
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):
+        """The wrapped tape's gradient, then the mean (op=Sum: the sum) over all
+        workers of every worker's gradient, in one exchange (None stays None;
+        IndexedSlices are made dense). Eagerly or inside `tf.function`; every
+        worker must call it in the same order. Blocks until every worker has
+        called it (at most `DsgdConfig.timeout_s` seconds); with one worker,
+        no exchange.
+
+        Args:
+            target (Any): as `tf.GradientTape.gradient`'s.
+            sources (Any): as `tf.GradientTape.gradient`'s.
+            output_gradients (Any): as `tf.GradientTape.gradient`'s.
+            **kwargs (Any): passed to `tf.GradientTape.gradient`.
+
+        Returns:
+            (Any): The averaged gradients, in the structure of `sources`:
+                tensors of their own.
+        """
         import tensorflow as tf
 
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients, **kwargs)
@@ -70,19 +99,42 @@ def DistributedOptimizer(optimizer, name: str | None = None, compression=Compres
                          backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False, op=Average, **hints):
     """Horovod's Keras `hvd.DistributedOptimizer`: a Keras 3 optimizer that averages
-    gradients over all Ray Train workers (compressed as `compression` says)
-    before `optimizer` applies them: `model.compile(optimizer=
-    DistributedOptimizer(opt), jit_compile=False)` then `model.fit(...)` trains
-    data-parallel (Horovod's own no longer works with Keras 3).
+    gradients over all Ray Train workers before `optimizer` applies them:
+    `model.compile(optimizer=DistributedOptimizer(opt), jit_compile=False)`
+    then `model.fit(...)` trains data-parallel (Horovod's own no longer works
+    with Keras 3).
 
-    `backward_passes_per_step=k`: gradients are accumulated locally for k
-    calls and exchanged, then applied, on every k-th (summed over the k
-    passes, or averaged with `average_aggregated_gradients=True`, as Horovod);
-    the other calls apply nothing. XLA cannot compile the exchange (a
+    Each apply blocks until every worker has reached it (at most
+    `DsgdConfig.timeout_s` seconds). XLA cannot compile the exchange (a
     `tf.numpy_function`): keep `jit_compile=False`. Not with the
     `mixed_float16` policy: compile() then wraps this optimizer in a
     LossScaleOptimizer that skips overflowing steps per worker, before
-    averaging, and workers would fall out of step; use `mixed_bfloat16`."""
+    averaging, and workers would fall out of step; use `mixed_bfloat16`.
+
+    Args:
+        optimizer (keras.optimizers.Optimizer): the optimizer that applies the
+            averaged gradients; it holds the learning rate and iterations.
+        name: the wrapper's name (default `distributed_<optimizer.name>`).
+        compression (type): `dsgd.train.Compression.none`, `.fp16` or `.bf16`:
+            the gradients' wire type.
+        backward_passes_per_step: k: gradients are accumulated locally for k
+            calls and exchanged, then applied, on every k-th; the other calls
+            apply nothing.
+        average_aggregated_gradients: with k > 1, average the k passes'
+            gradients instead of summing them (as Horovod).
+        op (int): `dsgd.train.Average` or `dsgd.train.Sum`.
+        **hints (Any): Horovod's device, sparse-as-dense, grouping and
+            process-set arguments, accepted and ignored.
+
+    Returns:
+        (keras.optimizers.Optimizer): The wrapping optimizer.
+
+    Raises:
+        TypeError: `optimizer` is not a Keras optimizer, or an unknown keyword
+            argument.
+        ValueError: the `mixed_float16` policy is set, a bad
+            `backward_passes_per_step`, `compression` or `op`.
+    """
     import keras
 
     _check_hints(hints, "DistributedOptimizer")

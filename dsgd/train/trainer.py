@@ -22,10 +22,18 @@ class DsgdTrainer(DataParallelTrainer):
     started again with the group) and Tune; `fit()` returns its `Result`.
 
     Args:
-        train_loop_per_worker: `fn()` or `fn(config)`.
+        train_loop_per_worker (Callable): `fn()` or `fn(config)`, run in every
+            Ray Train worker; it travels pickled.
         train_loop_config: the `config` passed to it.
         dsgd_config: a `dsgd.train.DsgdConfig` (default: one PS per worker).
-        scaling_config, run_config, datasets, ...: as DataParallelTrainer's.
+        scaling_config (ray.train.ScalingConfig | None): as
+            DataParallelTrainer's (one worker per rank).
+        run_config (ray.train.RunConfig | None): as DataParallelTrainer's.
+        datasets (dict | None): as DataParallelTrainer's.
+        **kwargs (Any): DataParallelTrainer's other arguments.
+
+    Raises:
+        TypeError: `dsgd_config` is not a `DsgdConfig`.
     """
 
     def __init__(self, train_loop_per_worker, *, train_loop_config: dict | None = None,

@@ -27,7 +27,11 @@ class AverageMeter:
 
 class AverageMeterCollection:
     """Sample-weighted averages of every value of a sequence of per-batch
-    results, as the Trainer reports them for `train_batch`/`validate_batch`.
+    results, as the Trainer reports them for `train_batch`/`validate_batch`
+    (for a custom `TrainingOperator.train_epoch` or `validate`).
+
+    Attributes:
+        n: samples counted so far.
 
     >>> meters = AverageMeterCollection()
     >>> meters.update({"loss": 2.0}, n=4)
@@ -42,8 +46,19 @@ class AverageMeterCollection:
         self._meters: dict[str, AverageMeter] = {}
 
     def update(self, metrics: dict, n: int | None = None) -> None:
-        """Add one batch's values (numbers, or scalar tensors/arrays), weighted by
-        `n` samples (default: metrics["num_samples"], else 1)."""
+        """Add one batch's values.
+
+        Args:
+            metrics: numbers, or scalar tensors/arrays (read as floats;
+                nothing is kept of them); a "num_samples" entry is the weight,
+                not a value.
+            n: samples in the batch, the weight (default:
+                `metrics["num_samples"]`, else 1).
+
+        Raises:
+            TypeError: `metrics` is not a dict, or a value is not a number.
+            ValueError: `n` is not an int >= 0.
+        """
         if not isinstance(metrics, dict):
             raise TypeError(f"AverageMeterCollection.update takes a dict of numbers, got "
                             f"{type(metrics).__name__}")
@@ -64,7 +79,12 @@ class AverageMeterCollection:
             self._meters.setdefault(key, AverageMeter()).update(value, n)
 
     def summary(self) -> dict:
-        """{"batch_count", "num_samples", <key>: sample-weighted mean, "last_<key>": last value}."""
+        """The averages so far.
+
+        Returns:
+            `{"batch_count", "num_samples", <key>: sample-weighted mean,
+                "last_<key>": last value}`.
+        """
         out = {"batch_count": self._batch_count, "num_samples": self.n}
         for key, meter in self._meters.items():
             out[key] = meter.avg

@@ -12,18 +12,34 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# config key of the global batch size; inside an operator, config[BATCH_SIZE] is
-# the per-replica batch (the global one divided among all replicas), as in the seed.
 BATCH_SIZE = "*batch_size"
+"""The `Trainer(config=...)` key of the global batch size (examples per step
+over all replicas), as in the seed. The Trainer divides it among all replicas
+(ValueError if it does not divide); inside an operator, `config[BATCH_SIZE]`
+is the per-replica batch. Registered `dsgd.Dataset`s then get
+`config[BATCH_SIZE] // num_workers` as their per-worker `batch_size`."""
 
 
 class TrainingOperator:
-    """One replica's training components. Do not construct it: `dsgd.Trainer` does.
+    """One replica's training components. Subclass it and implement `setup`; do
+    not construct it: `dsgd.Trainer` makes one per replica (worker x device),
+    inside the replica's `tf.device`, in the worker's process.
 
-    Properties: `config`, `world_rank` (this replica's index among all replicas,
-    worker-major), `world_size` (replicas in all), `device` (its TensorFlow
-    device), and after `register`: `models`/`model`, `optimizers`/`optimizer`,
-    `loss`, `metrics`.
+    Attributes:
+        config: the Trainer's `config` (with `config[dsgd.BATCH_SIZE]` the
+            per-replica batch).
+        world_rank: this replica's index among all replicas, worker-major.
+        world_size: replicas in all.
+        device: this replica's TensorFlow device.
+        models: (after `register`) the registered Keras models, a list;
+            `model` is the one when exactly one is registered (else
+            AttributeError).
+        optimizers: (after `register`) the registered optimizers, a list;
+            `optimizer` the one, as `model`.
+        loss: the registered loss, or None.
+        metrics: the registered Keras metrics, a list.
+        schedulers: the registered schedulers, a list; `scheduler` the one,
+            as `model`.
     """
 
     def __init__(self, config: dict, world_rank: int, world_size: int, device: str,
@@ -50,24 +66,51 @@ class TrainingOperator:
 
     # -- to implement -----------------------------------------------------------------
     def setup(self, config: dict) -> None:
-        """Build and register everything: `self.register(...)`, `self.register_data(...)`."""
+        """Build the models, optimizers, loss, metrics and data, and register them
+        with `self.register(...)` and `self.register_data(...)`. Required.
+        Runs once per replica, inside its `tf.device`, when the Trainer starts
+        (and in the driver for `Trainer.get_model`).
+
+        Args:
+            config: the Trainer's config; `config[dsgd.BATCH_SIZE]` is the
+                per-replica batch.
+        """
         raise NotImplementedError("TrainingOperator subclasses must implement setup(config)")
 
     # -- registration -------------------------------------------------------------------
     def register(self, *, models, optimizers, loss=None, metrics=None, schedulers=None):
-        """Register one or several Keras models and optimizers (several: optimizer i
-        updates model i, e.g. a GAN's discriminator and generator), the loss (a
-        Keras loss object, name or callable `loss(y_true, y_pred)`), Keras
-        metrics reported by validation as `val_<name>`, and learning-rate
-        schedulers (scheduler i drives optimizer i; each a
-        `keras.optimizers.schedules.LearningRateSchedule`, a callable
-        `(epoch_or_step, lr) -> lr` or a `dsgd.ReduceLROnPlateau`; stepped as
-        `Trainer(scheduler_step_freq=...)` says, see dsgd/trainer/schedules.py).
-        Returns (models, optimizers) shaped as given, plus the schedulers when
-        given; with `use_fp16=True` the optimizers are wrapped in
-        `keras.optimizers.LossScaleOptimizer`. Call it once, in `setup`: a
-        second call is a RuntimeError; a wrong type a TypeError or ValueError
-        naming the argument (and nothing is registered)."""
+        """Register the training components. Call it once, in `setup`.
+
+        Args:
+            models (keras.Model | list | tuple): one or several built Keras
+                models.
+            optimizers (keras.optimizers.Optimizer | list | tuple): one or
+                several Keras optimizers; several: optimizer i updates model i
+                (e.g. a GAN's discriminator and generator).
+            loss (keras.losses.Loss | Callable | str | None): a Keras loss
+                object, name or callable `loss(y_true, y_pred)`.
+            metrics (keras.metrics.Metric | list | None): Keras metrics,
+                reported by validation as `val_<name>`.
+            schedulers (Any): learning-rate schedulers, scheduler i driving
+                optimizer i; each a
+                `keras.optimizers.schedules.LearningRateSchedule`, a callable
+                `(epoch_or_step, lr) -> lr` or a `dsgd.ReduceLROnPlateau`;
+                stepped as `Trainer(scheduler_step_freq=...)` says (see
+                dsgd/trainer/schedules.py).
+
+        Returns:
+            (tuple): (models, optimizers) shaped as given, plus the schedulers
+                when given; with `use_fp16=True` the optimizers are wrapped in
+                `keras.optimizers.LossScaleOptimizer`.
+
+        Raises:
+            RuntimeError: a second call.
+            TypeError: an argument of the wrong type, named (nothing is
+                registered).
+            ValueError: an unbuilt model, mismatched counts, or an optimizer
+                whose learning rate is itself a schedule when a scheduler
+                drives it (nothing is registered).
+        """
         import keras
 
         from dsgd.trainer import schedules
@@ -130,20 +173,35 @@ class TrainingOperator:
         return out
 
     def register_data(self, *, train_data=None, validation_data=None) -> None:
-        """Register the data: each a `dsgd.Dataset`, a `ray.data.Dataset` (both fed
-        by the driver, built here on every replica but used from worker 0's) or a
-        `tf.data.Dataset` of batches (each replica reads its shard: every batch
-        once per epoch across replicas)."""
+        """Register the data, in `setup`. Each is a `dsgd.Dataset`, a
+        `ray.data.Dataset` (both fed by the driver: built here on every replica
+        but used from worker 0's) or a `tf.data.Dataset` of batches (each
+        replica reads its shard: every batch once per epoch across replicas).
+
+        Args:
+            train_data (Any): what `Trainer.train()` trains on.
+            validation_data (Any): what `Trainer.validate()` validates on.
+        """
         self._train_data, self._validation_data = train_data, validation_data
         self._data_registered = True
 
     # -- per batch (traced into compiled steps) ------------------------------------------
     def train_batch(self, batch, batch_info: dict) -> dict:
-        """One training batch: returns {"loss": the scalar to minimise (with several
-        optimizers, one scalar per optimizer)} plus any scalar metrics to report.
-        dsgd differentiates, averages the gradients over all replicas and applies
-        the optimizers. Default: `loss(y, model(x, training=True))` + the model's
-        own losses."""
+        """The loss of one training batch, traced into the worker's compiled step
+        (`tf.function`). dsgd differentiates it, averages the gradients over
+        all replicas and applies the optimizers. Default: the mean of
+        `loss(y, model(x, training=True))` plus the model's own losses.
+
+        Args:
+            batch (Any): this replica's batch, as tensors: `(x, y)`, or a dict of
+                columns (the default reads x/y, image/label or features/label).
+            batch_info: {"epoch", "batch_idx"} (the replica's variables, read
+                in the step) plus `Trainer.train`'s `info`.
+
+        Returns:
+            {"loss": the scalar to minimise (with several optimizers, one
+                scalar per optimizer)} plus any scalar metrics to report.
+        """
         x, y = unpack(batch)
         model = self.model
         loss = self._mean_loss(y, model(x, training=True))
@@ -154,8 +212,17 @@ class TrainingOperator:
         return {"loss": loss}
 
     def validate_batch(self, batch, batch_info: dict) -> dict:
-        """One validation batch: returns scalars to average over samples. Default:
-        {"val_loss"} and every registered metric updated (reported `val_<name>`)."""
+        """One validation batch, traced into a compiled validation step. Default:
+        {"val_loss"}, and every registered metric updated (reported as
+        `val_<name>`).
+
+        Args:
+            batch (Any): this replica's batch, as tensors (as `train_batch`'s).
+            batch_info: as `train_batch`'s.
+
+        Returns:
+            Scalars, averaged over samples by the Trainer.
+        """
         x, y = unpack(batch)
         predictions = self.model(x, training=False)
         for metric in self._metrics:
@@ -166,15 +233,22 @@ class TrainingOperator:
     def train_epoch(self, iterator, info: dict) -> dict:
         """One epoch on this worker. Override it for a custom epoch (the seed's
         `train_epoch`): it then runs in every worker at once, on replica 0's
-        operator, and `iterator` yields this worker's batches (as many on every
-        worker; each is split among the worker's replicas by `train_step`).
-        Call `self.train_step(batch)` for each step of all workers: every worker
-        must call it equally often. `info`: {"epoch", ...train()'s info}.
-        Return a dict of numbers (add "num_samples" to weight the average over
-        workers); `dsgd.AverageMeterCollection` averages per-batch values. Not
-        overridden, the Trainer runs the engine's own epoch (faster: the next
-        step is sent while one is applied) with `train_batch`; this default is
-        the same loop written with `train_step`."""
+        operator. Call `self.train_step(batch)` for each step of all workers:
+        every worker must call it equally often. Not overridden, the Trainer
+        runs the engine's own epoch with `train_batch` (which sends the next
+        step while one is applied); this default is the same loop written with
+        `train_step`.
+
+        Args:
+            iterator (Iterator): this worker's batches (as many on every worker; each is
+                split among the worker's replicas by `train_step`).
+            info: {"epoch", ...`Trainer.train`'s info}.
+
+        Returns:
+            A dict of numbers (add "num_samples" to weight the average over
+                workers); `dsgd.AverageMeterCollection` averages per-batch
+                values.
+        """
         from dsgd.trainer.meters import AverageMeterCollection
 
         meters = AverageMeterCollection()
@@ -186,8 +260,18 @@ class TrainingOperator:
         """(inside a custom `train_epoch`) One synchronous step of all workers on
         this worker's `batch`: the compiled gradient of `train_batch`'s loss(es)
         on each replica's share, the mean over every replica of every worker
-        (through the PS actors), the optimizers' update. Blocks until applied.
-        Returns this worker's {"loss", train_batch's metrics, "num_samples"}."""
+        (through the PS actors), the optimizers' update. Blocks until applied,
+        each wait at most `step_timeout_s`.
+
+        Args:
+            batch (Any): this worker's batch (split among its replicas).
+
+        Returns:
+            This worker's {"loss", train_batch's metrics, "num_samples"}.
+
+        Raises:
+            RuntimeError: called outside a `train_epoch` the Trainer runs.
+        """
         if self._stepper is None:
             raise RuntimeError("train_step runs one step of every worker at once: call it "
                                "inside train_epoch, which the Trainer runs on every worker")
@@ -195,14 +279,25 @@ class TrainingOperator:
 
     def validate(self, iterator, info: dict) -> dict:
         """Validation on this worker. Override it for a custom validation (the
-        seed's `validate(val_iterator, info)`): `iterator` yields this worker's
-        share of the validation batches (every example once across workers);
-        return a dict of numbers ("num_samples" weights the average over
-        workers). Not overridden, the Trainer validates with `validate_batch`
-        and the registered metrics (their states summed over workers: exact over
-        the whole set); this default, for an override to call, runs the
-        compiled `validate_batch` on each batch and returns its values averaged
-        over samples plus this worker's registered metrics."""
+        seed's `validate(val_iterator, info)`). Not overridden, the Trainer
+        validates with `validate_batch` and the registered metrics (their
+        states summed over workers: exact over the whole set); this default,
+        for an override to call, runs the compiled `validate_batch` on each
+        batch and returns its values averaged over samples plus this worker's
+        registered metrics.
+
+        Args:
+            iterator (Iterator): this worker's share of the validation batches (every
+                example once across workers).
+            info: `Trainer.validate`'s info.
+
+        Returns:
+            A dict of numbers ("num_samples" weights the average over
+                workers).
+
+        Raises:
+            RuntimeError: called outside a worker (the Trainer calls it).
+        """
         from dsgd.data.batching import num_rows
         from dsgd.trainer.meters import AverageMeterCollection
 
@@ -216,11 +311,14 @@ class TrainingOperator:
         return result
 
     def state_dict(self) -> dict:
-        """Extra state to checkpoint (JSON-serialisable: numbers, strings, lists, dicts)."""
+        """Extra state for `Trainer.save` to checkpoint (JSON-serialisable:
+        numbers, strings, lists, dicts); read from worker 0's replica 0.
+        Default: {}."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` returned."""
+        """Restore what `state_dict` returned; `Trainer.load` calls it on every
+        replica. Default: nothing."""
 
     # -- properties ------------------------------------------------------------------------
     config = property(lambda self: self._config)
@@ -275,11 +373,24 @@ class TrainingOperator:
                       data_creator: Callable, loss_creator: Callable | None = None,
                       metrics_creator: Callable | None = None,
                       scheduler_creator: Callable | None = None) -> type:
-        """An operator class from creator functions: `model_creator(config)` -> model
-        (or a tuple), `optimizer_creator(model(s), config)` -> optimizer(s),
-        `data_creator(config)` -> (train_data, validation_data),
-        `loss_creator(config)` -> loss, `metrics_creator(config)` -> metrics,
-        `scheduler_creator(optimizer(s), config)` -> scheduler(s)."""
+        """An operator class from creator functions (the seed's API), whose
+        `setup` calls them and registers what they return.
+
+        Args:
+            model_creator: `config -> model` (or a tuple of models).
+            optimizer_creator: `(model(s), config) -> optimizer(s)`.
+            data_creator: `config -> (train_data, validation_data)` (or just
+                train_data).
+            loss_creator: `config -> loss`.
+            metrics_creator: `config -> metrics`.
+            scheduler_creator: `(optimizer(s), config) -> scheduler(s)`.
+
+        Returns:
+            A `TrainingOperator` subclass, for `Trainer`.
+
+        Raises:
+            TypeError: a creator that is not callable.
+        """
         for name, fn in (("model_creator", model_creator), ("optimizer_creator", optimizer_creator),
                          ("data_creator", data_creator)):
             if not callable(fn):

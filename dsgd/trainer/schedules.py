@@ -52,6 +52,14 @@ class ReduceLROnPlateau:
         min_delta: the smallest change that counts as an improvement.
         cooldown: checks to wait after a reduction before counting again.
         min_lr: the rate is never reduced below it.
+
+    The Trainer (in the driver) checks it on the metric averaged over workers
+    and sets the new rate on every replica; its counters are saved by
+    `Trainer.save`.
+
+    Raises:
+        TypeError: `monitor` is not a metric name.
+        ValueError: an argument out of range.
     """
 
     def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 10,
@@ -83,8 +91,15 @@ class ReduceLROnPlateau:
         return self.monitor.startswith("val_")
 
     def step(self, current: float, lr: float) -> float | None:
-        """One check with the metric's value `current` and the learning rate now
-        `lr`: the new learning rate, or None to keep it (Keras's on_epoch_end)."""
+        """One check (Keras's `on_epoch_end`); the Trainer calls it.
+
+        Args:
+            current: the metric's value.
+            lr: the learning rate now.
+
+        Returns:
+            The new learning rate, or None to keep it.
+        """
         import numpy as np
 
         current = float(current)
@@ -103,9 +118,11 @@ class ReduceLROnPlateau:
         return None
 
     def state_dict(self) -> dict:
+        """The rule's counters (best value, wait, cooldown), JSON-serialisable."""
         return {"best": self.best, "wait": self.wait, "cooldown_counter": self.cooldown_counter}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned."""
         self.best = float(state["best"])
         self.wait, self.cooldown_counter = int(state["wait"]), int(state["cooldown_counter"])
 

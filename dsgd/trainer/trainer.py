@@ -41,12 +41,20 @@ class Trainer:
     """Train a `TrainingOperator` on `num_workers` workers x `devices_per_worker`
     replicas.
 
+    Builds a `DistributedSGD` (the attribute `sgd`) whose replicas are the
+    operators; blocks while the workers start (each builds its operators), at
+    most `start_timeout_s`. Also a context manager: leaving the `with` block
+    calls `shutdown()`.
+
     Args:
         training_operator_cls: a `dsgd.TrainingOperator` subclass.
-        num_workers, devices_per_worker, use_gpu, strategy: as `DistributedSGD`'s.
+        num_workers: worker actors, as `DistributedSGD`'s.
+        use_gpu: as `DistributedSGD`'s `gpu`.
+        devices_per_worker: replicas per worker, as `DistributedSGD`'s.
         config: passed to the operator's `setup`; `config[dsgd.BATCH_SIZE]` is
             the global batch size, divided among all replicas (ValueError if it
             does not divide); the operator sees the per-replica batch there.
+        strategy: "ps" or "simple", as `DistributedSGD`'s.
         use_fp16: False; True (or "float16"): Keras `mixed_float16` with loss
             scaling (the optimizers are wrapped in `LossScaleOptimizer`, dsgd
             scales the loss, steps that overflow are skipped by every replica
@@ -70,13 +78,26 @@ class Trainer:
             debugging: slower than an actor, and no failure recovery.
         logdir: write TensorBoard scalars there (train_loss, samples_per_s,
             val_*) after every `train()`/`validate()`, step = epoch.
-        **engine_options: passed to `DistributedSGD` (`step_timeout_s`,
+        **engine_options (Any): passed to `DistributedSGD` (`step_timeout_s`,
             `max_failures`, `backup_workers`, ...). The Trainer turns on
             `replace_hung`. With `backup_workers=b` each step averages the
             first num_workers - b workers' gradients (README "Stragglers");
             `train()` then reports `dropped_batches` and `dropped_samples`
             (also to TensorBoard); validation is unaffected.
-    Blocks while the workers start (each builds its operators).
+
+    Raises:
+        TypeError: a bad argument type (e.g. not a `TrainingOperator`
+            subclass, an unpicklable `initialization_hook`), or data
+            registered in `setup` that the Trainer cannot feed.
+        ValueError: a bad argument value (`scheduler_step_freq`, `use_fp16`,
+            `local` with several workers, a `config[dsgd.BATCH_SIZE]` that
+            does not divide among the replicas, a custom `train_epoch` with
+            several workers and no PS actors), or as `DistributedSGD`'s.
+
+    Attributes:
+        sgd: the `DistributedSGD` the Trainer drives (its replicas wrap the
+            operators).
+        epoch: epochs trained so far (restored by `load`).
     """
 
     def __init__(self, training_operator_cls: type, num_workers: int = 1, use_gpu: bool = False,
@@ -153,15 +174,31 @@ class Trainer:
     def train(self, num_steps: int | None = None, dataset: Dataset | None = None,
               profile: bool = False, reduce_results: bool = True, info: dict | None = None):
         """One epoch (or `num_steps` steps) of the registered training data, or of
-        `dataset` (a `dsgd.Dataset`, as the seed's `train(dataset=...)`). Blocks;
-        a tqdm bar on a terminal. Returns {"epoch", "batch_count", "num_samples",
-        "train_loss", "last_train_loss", "dropped_batches", "dropped_samples",
-        ...train_batch's metrics}, averaged over
-        batches (weighted by samples) then workers (weighted by samples), or one
-        such dict per worker with `reduce_results=False`; `profile=True` adds mean
-        seconds per step (mean_data_s, mean_compute_s, mean_exchange_s,
-        mean_apply_s, mean_step_s) and train_epoch_s. `info` (numbers) reaches
-        train_batch's batch_info (a change retraces the compiled step)."""
+        `dataset`. Blocks until the last step is applied (waits and failures
+        as `DistributedSGD.train`); a tqdm bar on a terminal.
+
+        Args:
+            num_steps: steps to run; None: one epoch.
+            dataset: a `dsgd.Dataset` to train on instead of the registered
+                data (the seed's `train(dataset=...)`).
+            profile: add mean seconds per step (`mean_data_s`,
+                `mean_compute_s`, `mean_exchange_s`, `mean_apply_s`,
+                `mean_step_s`) and `train_epoch_s`.
+            reduce_results: False: one dict per worker.
+            info: numbers that reach `train_batch`'s `batch_info` (a change
+                retraces the compiled step).
+
+        Returns:
+            (dict | list[dict]): {"epoch", "batch_count", "num_samples",
+                "train_loss", "last_train_loss", "dropped_batches",
+                "dropped_samples", ...train_batch's metrics}, averaged over
+                batches (weighted by samples) then workers (weighted by
+                samples); one such dict per worker with `reduce_results=False`.
+
+        Raises:
+            ValueError: nothing to train on (no registered training data and
+                no `dataset`).
+        """
         self.epoch += 1
         epoch = self.epoch
         self._info = info
@@ -188,12 +225,27 @@ class Trainer:
 
     def validate(self, num_steps: int | None = None, profile: bool = False,
                  reduce_results: bool = True, info: dict | None = None):
-        """The registered validation data, every example exactly once across the
-        workers (or at most `num_steps` batches per worker). Blocks. Returns
-        {"num_samples", "batch_count", "val_loss", "val_<metric>" for every
-        registered metric (over the whole set, from the metrics' summed states),
-        ...validate_batch's values averaged over samples, "last_<key>"}; one dict
-        per worker with `reduce_results=False`."""
+        """Validate on the registered validation data, every example exactly once
+        across the workers. Blocks: each worker validates its whole share in
+        one call, allowed `step_timeout_s` x
+        `dsgd.constants.VALIDATION_TIMEOUT_STEPS`.
+
+        Args:
+            num_steps: at most this many batches per worker; None: all.
+            profile: add `validation_s` (wall time, seconds).
+            reduce_results: False: one dict per worker.
+            info: numbers that reach `validate_batch`'s `batch_info`.
+
+        Returns:
+            (dict | list[dict]): {"num_samples", "batch_count", "val_loss",
+                `"val_<metric>"` for every registered metric (over the whole
+                set, from the metrics' summed states), ...validate_batch's
+                values averaged over samples, `"last_<key>"`}; one dict per
+                worker with `reduce_results=False`.
+
+        Raises:
+            ValueError: no validation data was registered.
+        """
         if self._validation_data is None:
             raise ValueError("no validation data: register_data(validation_data=...) in setup")
         start = time.perf_counter()
@@ -316,10 +368,19 @@ class Trainer:
 
     # -- schedulers ----------------------------------------------------------------------------
     def update_scheduler(self, metric: float | None = None) -> None:
-        """With scheduler_step_freq="manual": step every registered scheduler once
-        on every replica (the k-th call steps schedules and callables to count
-        k) and check every ReduceLROnPlateau rule with `metric` (required when
-        one is registered). Blocks."""
+        """With `scheduler_step_freq="manual"`: step every registered scheduler
+        once on every replica (the k-th call steps schedules and callables to
+        count k) and check every `ReduceLROnPlateau` rule. Blocks until every
+        replica has stepped.
+
+        Args:
+            metric: the monitored metric's value; required when a
+                `ReduceLROnPlateau` is registered.
+
+        Raises:
+            ValueError: the Trainer's `scheduler_step_freq` is not "manual",
+                or `metric` is missing.
+        """
         if self.scheduler_step_freq != "manual":
             raise ValueError("update_scheduler() is for scheduler_step_freq='manual'; this "
                              f"Trainer steps its schedulers per {self.scheduler_step_freq}")
@@ -333,7 +394,8 @@ class Trainer:
             self._step_plateau(i, plateau, metric)
 
     def learning_rates(self) -> list[float]:
-        """Each optimizer's learning rate now (every replica holds the same)."""
+        """Each optimizer's learning rate now, in registration order (every
+        replica holds the same). Blocks for one call to worker 0."""
         return self.sgd.for_model(lambda m: m.learning_rates())
 
     def _check_plateaus(self, reported: dict, on_validation: bool) -> None:
@@ -358,9 +420,22 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------------------
     def save(self, path: str) -> str:
-        """Weights, optimizer state, epoch, data position and the operator's
-        `state_dict()`, written atomically by the driver (no shared file system
-        needed). Returns `path`."""
+        """Write a checkpoint: weights, optimizer state, epoch, data position,
+        schedulers and the operator's `state_dict()`, atomically, by the driver
+        (no shared file system needed; see `DistributedSGD.save_checkpoint`).
+        Blocks until the files are fsynced.
+
+        Args:
+            path: the checkpoint's name (files `path.dsgd.json`,
+                `path.step<N>-<id>.*`).
+
+        Returns:
+            `path`.
+
+        Raises:
+            TypeError: `state_dict()` returned values that are not
+                JSON-serialisable.
+        """
         state = self.sgd.for_model(lambda m: m.operator.state_dict())
         try:
             json.dumps(state)
@@ -373,7 +448,16 @@ class Trainer:
                                                      "schedulers": schedulers})
 
     def load(self, path: str) -> None:
-        """Restore what `save` wrote (any number of workers)."""
+        """Restore what `save` wrote (with any number of workers) into every
+        replica, and the epoch, schedulers and operator state. Blocks.
+
+        Args:
+            path: what `save` was given.
+
+        Raises:
+            CheckpointError: the checkpoint is truncated or corrupt.
+            ModelMismatchError: it does not fit the model.
+        """
         extra = self.sgd.restore_checkpoint(path) or {}
         self.epoch = int(extra.get("epoch", 0))
         schedulers = extra.get("schedulers", {})
@@ -386,7 +470,9 @@ class Trainer:
 
     def get_model(self):
         """The trained Keras model (a list with several models), built in this
-        process by the operator's `setup` and loaded with worker 0's weights."""
+        process by the operator's `setup` (once; later calls reuse it) and
+        loaded with a copy of worker 0's weights. The caller owns it: changing
+        it does not change the workers'. Blocks for one call to worker 0."""
         if self._driver_operator is None:
             operator = self.operator_cls(self._replica_config, 0, 1, "/device:CPU:0")
             operator.setup(self._replica_config)
@@ -399,7 +485,8 @@ class Trainer:
         return models[0] if len(models) == 1 else list(models)
 
     def shutdown(self) -> None:
-        """Stop the workers (save or get_model first). Idempotent."""
+        """Kill the workers (call `save` or `get_model` first) and close the
+        TensorBoard writer. Idempotent."""
         self.sgd.shutdown()
         if self._writer is not None:
             self._writer.close()
@@ -413,7 +500,25 @@ class Trainer:
 
     @classmethod
     def as_trainable(cls, training_operator_cls: type, **trainer_kwargs):
-        """A Ray Tune trainable (see dsgd/trainer/tune.py)."""
+        """A Ray Tune trainable class running this Trainer.
+
+        The trial's config (merged over `config`) goes to the operator's
+        `setup`; each training iteration is `train()` then `validate()` (if
+        validation data is registered), reporting both results merged; Tune
+        checkpoints go through `save`/`load`. A trial's resources are one
+        placement group: one CPU for the trainable, then one bundle per
+        worker (`num_cpus_per_worker` CPUs, plus `devices_per_worker` GPUs
+        with `use_gpu`).
+
+        Args:
+            training_operator_cls: a `dsgd.TrainingOperator` subclass.
+            **trainer_kwargs (Any): the `Trainer`'s arguments
+                (`num_workers`, `use_gpu`, `devices_per_worker`, `config`,
+                ...) and `num_cpus_per_worker`.
+
+        Returns:
+            (type): A `ray.tune.Trainable` subclass.
+        """
         from dsgd.trainer.tune import trainable
 
         return trainable(cls, training_operator_cls, **trainer_kwargs)
