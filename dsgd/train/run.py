@@ -85,10 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     from dsgd.train import DsgdConfig, DsgdTrainer
 
     # The script's prints reach this terminal once (Ray Train would also log each
-    # one), without TensorFlow's C++ start-up chatter from every worker.
+    # one). TensorFlow's start-up probing lines are dropped where dsgd imports it
+    # (dsgd/tf_logging.py); a TF_CPP_MIN_LOG_LEVEL set here reaches every rank.
     os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
-    quiet = {"env_vars": {"TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
-                          "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}}
+    env_vars = {"RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}
+    if "TF_CPP_MIN_LOG_LEVEL" in os.environ:
+        env_vars["TF_CPP_MIN_LOG_LEVEL"] = os.environ["TF_CPP_MIN_LOG_LEVEL"]
+    quiet = {"env_vars": env_vars}
     if not ray.is_initialized():
         address = args.address or os.environ.get("RAY_ADDRESS")
         if address:
