@@ -18,7 +18,7 @@ Writes benchmarks/results/overhead.json. dsgd runs with its defaults
 that its one worker reserves every CPU of the machine, as the plain process uses
 them all: Ray sets OMP_NUM_THREADS to an actor's CPU count, and at 1 a plain
 step inside an actor measured 3-6 % slower than in the driver (ResNet-50, 64x64).
-(dsgd's actors also run at niceness 0, not Ray's 15: see README "Architecture".)
+(dsgd's actors also run at niceness 0, not Ray's 15: see benchmarks/design_measurements.md.)
 """
 
 from __future__ import annotations

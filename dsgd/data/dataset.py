@@ -44,7 +44,7 @@ class Dataset:
     numpy columns. Each worker reads its own shard, a repeated sequence: for
     data of known length that shards evenly, one epoch is
     `len / (num_workers * batch_size)` steps and every item is seen once per
-    epoch. Constructing it starts no Ray work; `train` does. See README "Data"
+    epoch. Constructing it starts no Ray work; `train` does. See docs/data.md
     for sharding, epochs and failures.
 
     Attributes:

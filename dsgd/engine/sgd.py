@@ -78,7 +78,7 @@ class DistributedSGD:
             "ignore" (no check, no extra pass over the gradients).
         max_failures: actor deaths survived over the object's life; one more
             raises `DsgdError`. A dead worker or PS actor is replaced and the
-            interrupted step retried (see README "Fault tolerance").
+            interrupted step retried (docs/fault-tolerance.md).
         elastic: when a dead worker cannot be replaced for lack of resources,
             continue with fewer workers (a smaller global batch), and add
             workers back when resources return. Without it, that is an error.

@@ -1,6 +1,6 @@
 """dsgd as a Ray Train backend, and Horovod's TF2 API on it: a training loop
 runs in Ray Train's workers and exchanges through dsgd's sharded PS actors
-(see README "Ray Train" and "Porting from Horovod").
+(docs/raytrain.md).
 
     from dsgd.train import DsgdTrainer, DsgdConfig   # the Ray Train trainer
     import dsgd.train as hvd                         # in the loop or script: Horovod's names

@@ -50,10 +50,10 @@ class Trainer:
         training_operator_cls: a `dsgd.TrainingOperator` subclass.
         num_workers: worker actors, as `DistributedSGD`'s.
         use_gpu: as `DistributedSGD`'s `gpu`.
-        devices_per_worker: replicas per worker, as `DistributedSGD`'s.
         config: passed to the operator's `setup`; `config[dsgd.BATCH_SIZE]` is
             the global batch size, divided among all replicas (ValueError if it
             does not divide); the operator sees the per-replica batch there.
+        devices_per_worker: replicas per worker, as `DistributedSGD`'s.
         strategy: "ps" or "simple", as `DistributedSGD`'s.
         use_fp16: False; True (or "float16"): Keras `mixed_float16` with loss
             scaling (the optimizers are wrapped in `LossScaleOptimizer`, dsgd
@@ -81,7 +81,7 @@ class Trainer:
         **engine_options (Any): passed to `DistributedSGD` (`step_timeout_s`,
             `max_failures`, `backup_workers`, ...). The Trainer turns on
             `replace_hung`. With `backup_workers=b` each step averages the
-            first num_workers - b workers' gradients (README "Stragglers");
+            first num_workers - b workers' gradients (docs/stragglers.md);
             `train()` then reports `dropped_batches` and `dropped_samples`
             (also to TensorBoard); validation is unaffected.
 
@@ -101,7 +101,7 @@ class Trainer:
     """
 
     def __init__(self, training_operator_cls: type, num_workers: int = 1, use_gpu: bool = False,
-                 devices_per_worker: int = 1, config: dict | None = None, strategy: str = "ps",
+                 config: dict | None = None, devices_per_worker: int = 1, strategy: str = "ps",
                  use_fp16: bool | str = False, initialization_hook: Callable | None = None,
                  logdir: str | None = None, scheduler_step_freq: str = "epoch",
                  local: bool = False, **engine_options):
