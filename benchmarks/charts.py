@@ -293,6 +293,19 @@ def draw(json_path: str) -> str:
     return png
 
 
+def draw_after_run(json_path: str):
+    """What a benchmark script calls after writing its JSON: the chart beside it, except
+    for a variant written into results/ that the report shows no chart of (results/
+    keeps only the report's charts). Returns the PNG's path, or None."""
+    png = os.path.splitext(os.path.basename(json_path))[0] + ".png"
+    folder = os.path.dirname(os.path.abspath(json_path))
+    if os.path.abspath(folder) == os.path.abspath(RESULTS) and png not in CHARTS:
+        print(f"no chart drawn for {json_path} (a variant); python benchmarks/charts.py "
+              f"{json_path} draws one")
+        return None
+    return draw(json_path)
+
+
 def draw_all(results_dir: str = RESULTS) -> list:
     """Redraws every chart in CHARTS from its JSON; returns the PNGs' paths."""
     written = []

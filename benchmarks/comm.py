@@ -391,7 +391,7 @@ def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import charts  # the chart code of every benchmark
 
-    charts.draw(args.out)
+    charts.draw_after_run(args.out)
     return result
 
 

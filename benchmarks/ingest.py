@@ -147,7 +147,7 @@ def main(argv=None):
         sys.path.insert(0, HERE)
         import charts  # the chart code of every benchmark
 
-        charts.draw(args.out)
+        charts.draw_after_run(args.out)
 
 
 if __name__ == "__main__":

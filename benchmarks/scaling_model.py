@@ -208,7 +208,8 @@ def predictions(shapes, inputs: Inputs) -> list[dict]:
     compute = GPU_COMPUTE["V100 fp32 b128"]["step_s"]
     for workers in (8, 64, 256):
         for gbits in (25, 100):
-            layouts = [(10_000_000, None, None), (4_000_000, None, None),
+            layouts = [(10_000_000, None, None), (10_000_000, 2, None), (10_000_000, 4, None),
+                       (4_000_000, None, None),
                        (max(64, grad_bytes // workers), workers, None),
                        (max(64, grad_bytes // (2 * workers)), workers, "fp16")]
             seen = set()
@@ -246,7 +247,7 @@ def markdown(rows) -> str:
     out = []
     pairs = {}
     for r in rows:
-        key = (r["workers"], r["link_gbps"], r["shard_bytes"], r["compression"])
+        key = (r["workers"], r["link_gbps"], r["shard_bytes"], r["compression"], r["num_ps"])
         pairs.setdefault(key, {})[r["gpu"]] = r
     for key, by_gpu in pairs.items():
         v, a = by_gpu["V100 fp32 b128"], by_gpu["A100 amp b256"]

@@ -166,7 +166,7 @@ def main(argv=None) -> dict:
         json.dump(result, f, indent=2)
     import charts  # the chart code of every benchmark (this directory is on sys.path)
 
-    charts.draw(args.out)
+    charts.draw_after_run(args.out)
     for row in rows:
         print(f"b={row['backup_workers']} {row['mode']:5s}: step {row['step_ratio_vs_sync']:.2f}x "
               f"sync (median {row['median_step_s'] * 1e3:.0f} ms, p95 "

@@ -119,7 +119,7 @@ def main(argv=None):
     sys.path.insert(0, os.path.dirname(HERE))
     import charts  # the chart code of every benchmark
 
-    charts.draw(args.out)
+    charts.draw_after_run(args.out)
     print(f"\n{'config':8s} {'peer':32s} {'N':>2s} {'images/s':>9s} {'vs ps':>6s} {'scaling':>8s}")
     for r in rows:
         if r["status"] != "ok":
