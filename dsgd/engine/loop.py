@@ -58,6 +58,10 @@ class StepLoop:
         done, pending = 0, None
         while count is None or done < count:
             ahead = None
+            if pending is not None:
+                # Submitted ahead: the driver's time since (the caller's code between
+                # steps, a PS replaced) does not count against its step_timeout_s.
+                pending.restart_clock()
             try:
                 if pending is None:
                     self.recovery.maybe_grow()

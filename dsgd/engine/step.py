@@ -102,6 +102,13 @@ class ExchangeStep:
     def time_left(self) -> float:
         return max(0.001, self.config.step_timeout_s - (time.perf_counter() - self.start))
 
+    def restart_clock(self) -> None:
+        """The driver waits for this step from now on. A step submitted ahead ran
+        while the driver did other work (the step before it, the caller's code
+        between steps, replacing a PS): that time is not the step's, so its
+        step_timeout_s starts again here."""
+        self.start = time.perf_counter()
+
     def submit(self) -> ExchangeStep:
         if self.stragglers.enabled:
             self._running = self.stragglers.free(self.workers, self.slots)
@@ -382,7 +389,8 @@ class LocalSteps:
         self.label = (f"step {first_number}" if len(data) == 1
                       else f"steps {first_number}-{first_number + len(data) - 1}")
         self.workers = actors.workers
-        self.start = time.perf_counter()
+        self.start = time.perf_counter()  # its steps began (for step_s)
+        self._clock = self.start          # step_timeout_s counts from here
         self._ref = None
 
     @property
@@ -403,8 +411,13 @@ class LocalSteps:
         return self
 
     def started(self) -> None:
-        """Its steps begin now (the call before it has ended): restart its clock."""
-        self.start = time.perf_counter()
+        """Its steps begin now (the call before it has ended): restart both clocks."""
+        self.start = self._clock = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        """The driver waits for this call from now on: the caller's code between
+        steps does not count against step_timeout_s (see ExchangeStep)."""
+        self._clock = time.perf_counter()
 
     @property
     def applies_pending(self) -> bool:
@@ -415,7 +428,7 @@ class LocalSteps:
         non-finite gradient under "raise", or at a step that raised). Waits at
         most step_timeout_s per step."""
         ref, self._ref = self._ref, None
-        timeout = self.config.step_timeout_s * self.size - (time.perf_counter() - self.start)
+        timeout = self.config.step_timeout_s * self.size - (time.perf_counter() - self._clock)
         infos = self.actors.wait([ref], self.workers, self.label, max(0.001, timeout))[0]
         step_s = (time.perf_counter() - self.start) / max(1, len(infos))
         results = []
