@@ -64,8 +64,9 @@ class DistributedSGD:
             `dsgd.constants.ALL_REDUCE_ALGS` ("nccl" needs `gpu=True`).
         num_ps: PS actors ("ps"); default one per shard, at most `num_workers`.
         num_cpus_per_worker: CPUs Ray reserves for each worker.
-        step_timeout_s: longest wait for one step (or one call), in seconds;
-            then `StepTimeoutError` (or, with `replace_hung`, a recovery).
+        step_timeout_s: longest wait for one step (or one call), in seconds,
+            counted from when the driver begins waiting for it; then
+            `StepTimeoutError` (or, with `replace_hung`, a recovery).
         start_timeout_s: longest wait for workers to start and build replicas,
             in seconds.
         stall_warning_s: while a wait is pending, log a stall report naming the
