@@ -85,7 +85,15 @@ class StepLoop:
                     continue  # retry
                 # Applied before the failure: the mean of the contributors chosen.
                 results = [StepResult(None, [{"apply_s": 0.0}], workers, **membership)]
-            except BaseException:
+            except BaseException as e:
+                # shutdown() from another thread mid-step empties the actor lists under
+                # the step (an IndexError, a KeyError): the error to report is that.
+                if isinstance(e, Exception) and not isinstance(e, DsgdError):
+                    label = pending.label if pending is not None else "step"
+                    try:
+                        self.actors.check_open(label)
+                    except DsgdError as closed:
+                        raise closed from e
                 # Not an actor failure (a non-finite gradient under "raise" before any
                 # apply, the next step's data failing, a step raising): what is on its
                 # way to be applied is waited for and counted.
