@@ -23,9 +23,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 BATCH, STEPS = 4, 5
 
 
-def killing_creator(kill_step, kill_replica, marker, target_pid_file=None):
+def killing_creator(kill_step, kill_replica, marker, target_pid_file=None, delay_s=0.0):
     return lambda w, d: tiny.KillAt(w, d, 1, BATCH, kill_step, kill_replica, marker,
-                                    target_pid_file)
+                                    target_pid_file, delay_s)
 
 
 def keyed_creator(w, d):
@@ -205,9 +205,12 @@ def test_every_worker_dead_restores_the_last_checkpoint(tmp_path):
 def test_one_worker_killed_in_a_call_of_several_steps_restores_the_checkpoint(tmp_path):
     """One worker runs train()'s steps 3 per call: it dies inside the second call
     (step 5); recovery restores the step-1 checkpoint and the remaining steps run
-    from there, so the weights are those of 4 uninterrupted steps."""
+    from there, so the weights are those of 4 uninterrupted steps. The kill waits
+    2 s: the first call's reply (sent from another thread as the second call
+    starts) must reach the driver first, or that call is lost with the worker too
+    (CI saw it: steps_done 7, every step redone from the checkpoint)."""
     marker = str(tmp_path / "killed")
-    with dsgd.DistributedSGD(killing_creator(4, 0, marker), 1, 1, gpu=False,
+    with dsgd.DistributedSGD(killing_creator(4, 0, marker, delay_s=2.0), 1, 1, gpu=False,
                              local_steps_per_call=3) as sgd:
         initial = sgd.get_weights()
         sgd.step()

@@ -136,22 +136,29 @@ class StepKeyedModel(TinyModel):
 class KillAt(StepKeyedModel):
     """Replica `kill_replica` SIGKILLs `target_pid_file`'s process (or its own
     process if None) when it reads its batch for step `kill_step` (0-based),
-    once: `marker` records that it happened, so the replacement carries on."""
+    once: `marker` records that it happened, so the replacement carries on.
+    `delay_s`: seconds it waits before the kill, so that the reply of the call
+    it finished just before (Ray sends it from another thread) reaches the driver
+    first; without it the kill can race that reply and the driver loses that
+    call as well."""
 
     def __init__(self, worker_index, device_index, devices_per_worker, batch_size, kill_step,
-                 kill_replica, marker, target_pid_file=None):
+                 kill_replica, marker, target_pid_file=None, delay_s=0.0):
         super().__init__(worker_index, device_index, devices_per_worker, batch_size)
         self.kill_step, self.kill_replica = kill_step, kill_replica
         self.marker, self.target_pid_file = marker, target_pid_file
+        self.delay_s = delay_s
 
     def get_batch(self):
         import os
         import signal
+        import time
 
         if (self.replica == self.kill_replica and not os.path.exists(self.marker)
                 and int(self.optimizer.iterations.numpy()) == self.kill_step):
             with open(self.marker, "w") as f:
                 f.write("killed")
+            time.sleep(self.delay_s)
             pid = os.getpid()
             if self.target_pid_file:
                 with open(self.target_pid_file) as f:
