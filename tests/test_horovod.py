@@ -188,6 +188,26 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['bogus'\]"):
         hvd.DistributedGradientTape(None, bogus=1)
     hvd.DistributedGradientTape(None, device_dense="/gpu:0", sparse_as_dense=True)  # hints
+    with pytest.raises(ValueError, match="DistributedOptimizer: process_set=.* dsgd has no process"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(), process_set="evens")
+    # Each collective names a misspelt argument and a process set before it needs a run.
+    import tensorflow as tf
+
+    one = tf.constant([1.0])
+    calls = {"allreduce": lambda **kw: hvd.allreduce(one, **kw),
+             "grouped_allreduce": lambda **kw: hvd.grouped_allreduce([one], **kw),
+             "allgather": lambda **kw: hvd.allgather(one, **kw),
+             "broadcast": lambda **kw: hvd.broadcast(one, 0, **kw),
+             "broadcast_object": lambda **kw: hvd.broadcast_object({}, 0, **kw),
+             "allgather_object": lambda **kw: hvd.allgather_object({}, **kw)}
+    for where, call in calls.items():
+        with pytest.raises(TypeError, match=rf"{where}: unexpected argument\(s\) \['avarage'\]"):
+            call(avarage=True)
+        with pytest.raises(ValueError, match=rf"{where}: process_set='evens' is not supported"):
+            call(process_set="evens")
+        # Horovod's hints pass the check; then the call needs a run, as without them.
+        with pytest.raises(DsgdError, match=r"python -m dsgd.train.run -np N"):
+            call(process_set=None, ignore_name_scope=True)
     with pytest.raises(ValueError, match="backward_passes_per_step must be an int >= 1"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)
     with pytest.raises(ValueError, match="initial_lr must be a positive number"):

@@ -90,6 +90,31 @@ def wire_of(compression) -> str | None:
                      f"{compression!r}")
 
 
+# Horovod arguments with nothing to steer in dsgd (devices, name scopes, TF1 sessions):
+# accepted, so that a port keeps working, and ignored. process_set only as None: dsgd
+# has no process sets (every collective spans all ranks).
+HINTS = ("device_dense", "device_sparse", "ignore_name_scope", "session", "process_set")
+
+
+def check_hints(kwargs: dict, where: str, accepted: str, hints: tuple = HINTS) -> None:
+    """Refuse a keyword argument that is neither `accepted` nor one of Horovod's
+    `hints`, and a `process_set` other than None: a misspelt argument would
+    otherwise change nothing, silently.
+
+    Raises:
+        TypeError: an unknown keyword argument (named, with what is accepted).
+        ValueError: `process_set` is not None.
+    """
+    unknown = sorted(set(kwargs) - set(hints))
+    if unknown:
+        raise TypeError(f"{where}: unexpected argument(s) {unknown}; accepted: {accepted}, and "
+                        f"Horovod's hints {list(hints)} (ignored; process_set only as None)")
+    if kwargs.get("process_set") is not None:
+        raise ValueError(f"{where}: process_set={kwargs['process_set']!r} is not supported: dsgd "
+                         "has no process sets (every collective spans all ranks); leave it "
+                         "out or pass None")
+
+
 # -- the run's shape --------------------------------------------------------------
 def init(*args, **kwargs) -> None:
     """Horovod's `hvd.init()`: nothing to start inside a dsgd Ray Train worker
@@ -192,7 +217,7 @@ def _dense(tensor):
 
 def grouped_allreduce(tensors, average=None, compression=Compression.none, op=None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      name: str | None = None, **ignored) -> list:
+                      name: str | None = None, **hints) -> list:
     """Horovod's `hvd.grouped_allreduce`: the mean or sum over all ranks of each
     tensor, in one exchange.
 
@@ -202,8 +227,7 @@ def grouped_allreduce(tensors, average=None, compression=Compression.none, op=No
     `sum / size()` as TensorFlow divides integers (float64). Works eagerly and
     inside `tf.function`. Blocks until every rank has made the call (at most
     `DsgdConfig.timeout_s` seconds). The inputs are only read; the results are
-    tensors of their own, valid as long as they are referenced. Horovod's
-    device/process-set arguments are accepted and ignored.
+    tensors of their own, valid as long as they are referenced.
 
     Args:
         tensors (list): tensors, or `tf.IndexedSlices` (made dense first,
@@ -216,7 +240,9 @@ def grouped_allreduce(tensors, average=None, compression=Compression.none, op=No
         prescale_factor: multiplies each tensor before the exchange.
         postscale_factor: multiplies each result after it.
         name: the op's name inside a `tf.function`.
-        **ignored (Any): Horovod's other arguments, ignored.
+        **hints (Any): Horovod's `device_dense`, `device_sparse`,
+            `ignore_name_scope`, `session` (ignored) and `process_set` (only
+            None).
 
     Returns:
         One result per tensor, in order.
@@ -232,6 +258,8 @@ def grouped_allreduce(tensors, average=None, compression=Compression.none, op=No
     """
     import tensorflow as tf
 
+    check_hints(hints, "grouped_allreduce", "tensors, average, compression, op, prescale_factor, "
+                "postscale_factor, name")
     op = _op_of(op, average)
     wire = wire_of(compression)
     tensors = [_dense(t) for t in tensors]
@@ -271,7 +299,7 @@ def grouped_allreduce(tensors, average=None, compression=Compression.none, op=No
 
 def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str = "",
               compression=Compression.none, op=None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, name: str | None = None, **ignored):
+              postscale_factor: float = 1.0, name: str | None = None, **hints):
     """Horovod's `hvd.allreduce`: the mean (default) or sum of `tensor` over all
     ranks; `grouped_allreduce` of one tensor (same arguments, blocking and
     errors).
@@ -286,17 +314,21 @@ def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str =
         prescale_factor: multiplies the tensor before the exchange.
         postscale_factor: multiplies the result after it.
         name: the op's name inside a `tf.function`.
-        **ignored (Any): Horovod's other arguments, ignored.
+        **hints (Any): Horovod's `device_dense`, `device_sparse`,
+            `ignore_name_scope`, `session` (ignored) and `process_set` (only
+            None).
 
     Returns:
         (tf.Tensor): The reduced tensor, of `tensor`'s shape.
     """
+    check_hints(hints, "allreduce", "tensor, average, device_dense, device_sparse, compression, "
+                "op, prescale_factor, postscale_factor, name")
     return grouped_allreduce([tensor], average=average, compression=compression, op=op,
                              prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                              name=name)[0]
 
 
-def allgather(tensor, name: str | None = None, **ignored):
+def allgather(tensor, name: str | None = None, **hints):
     """Horovod's `hvd.allgather`: every rank's `tensor` concatenated on the first
     axis, in rank order. Eagerly or inside `tf.function`; blocks until every
     rank has made the call (at most `DsgdConfig.timeout_s` seconds).
@@ -305,7 +337,9 @@ def allgather(tensor, name: str | None = None, **ignored):
         tensor (tf.Tensor): at least one dimension. The first dimension may
             differ between ranks; the others and the dtype may not.
         name: the op's name inside a `tf.function`.
-        **ignored (Any): Horovod's other arguments, ignored.
+        **hints (Any): Horovod's `device_dense`, `device_sparse`,
+            `ignore_name_scope`, `session` (ignored) and `process_set` (only
+            None).
 
     Returns:
         (tf.Tensor): A new tensor.
@@ -316,6 +350,7 @@ def allgather(tensor, name: str | None = None, **ignored):
     """
     import tensorflow as tf
 
+    check_hints(hints, "allgather", "tensor, name")
     tensor = _dense(tensor)
     if tensor.shape.rank == 0:
         raise ValueError("allgather: the tensor must have at least one dimension (it is "
@@ -334,7 +369,7 @@ def allgather(tensor, name: str | None = None, **ignored):
     return _run(gather, [tensor], [tensor.dtype], [shape], name or "dsgd_allgather")[0]
 
 
-def broadcast(tensor, root_rank: int, name: str | None = None, **ignored):
+def broadcast(tensor, root_rank: int, name: str | None = None, **hints):
     """Horovod's `hvd.broadcast`: rank `root_rank`'s value of `tensor` on every
     rank. Eagerly or inside `tf.function`; blocks until every rank has made
     the call (at most `DsgdConfig.timeout_s` seconds).
@@ -343,7 +378,9 @@ def broadcast(tensor, root_rank: int, name: str | None = None, **ignored):
         tensor (tf.Tensor): each rank's must have the root's shape and dtype.
         root_rank: the rank whose value is sent.
         name: the op's name inside a `tf.function`.
-        **ignored (Any): Horovod's other arguments, ignored.
+        **hints (Any): Horovod's `device_dense`, `device_sparse`,
+            `ignore_name_scope`, `session` (ignored) and `process_set` (only
+            None).
 
     Returns:
         (tf.Tensor): The root's value, as a new tensor (`tensor` is unchanged).
@@ -352,6 +389,7 @@ def broadcast(tensor, root_rank: int, name: str | None = None, **ignored):
         ValueError: `root_rank` out of range, or a shape or dtype that differs
             from the root's.
     """
+    check_hints(hints, "broadcast", "tensor, root_rank, name")
     return _broadcast_tensors([_dense(tensor)], root_rank, name or "dsgd_broadcast")[0]
 
 
@@ -403,7 +441,7 @@ def broadcast_variables(variables, root_rank: int = 0):
     return tf.group(*[a for a in assigns if a is not None])
 
 
-def broadcast_object(obj, root_rank: int = 0, name: str | None = None, **ignored):
+def broadcast_object(obj, root_rank: int = 0, name: str | None = None, **hints):
     """Horovod's `hvd.broadcast_object`: rank `root_rank`'s picklable `obj` on
     every rank (eagerly; not inside `tf.function`). Blocks until every rank has
     made the call (at most `DsgdConfig.timeout_s` seconds).
@@ -412,7 +450,9 @@ def broadcast_object(obj, root_rank: int = 0, name: str | None = None, **ignored
         obj (Any): the root's value (the other ranks' are ignored).
         root_rank: the rank whose `obj` is sent.
         name: ignored.
-        **ignored (Any): Horovod's other arguments, ignored.
+        **hints (Any): Horovod's `device_dense`, `device_sparse`,
+            `ignore_name_scope`, `session` (ignored) and `process_set` (only
+            None).
 
     Returns:
         (Any): The root's object, an unpickled copy (with one rank, `obj`
@@ -421,11 +461,12 @@ def broadcast_object(obj, root_rank: int = 0, name: str | None = None, **ignored
     Raises:
         ValueError: `root_rank` out of range.
     """
+    check_hints(hints, "broadcast_object", "obj, root_rank, name")
     exchange._check_root(root_rank, size())
     return exchange.broadcast(obj, root_rank)
 
 
-def allgather_object(obj, name: str | None = None, **ignored) -> list:
+def allgather_object(obj, name: str | None = None, **hints) -> list:
     """Horovod's `hvd.allgather_object`: every rank's picklable `obj`, in rank
     order (eagerly; not inside `tf.function`). Blocks until every rank has made
     the call (at most `DsgdConfig.timeout_s` seconds).
@@ -433,10 +474,13 @@ def allgather_object(obj, name: str | None = None, **ignored) -> list:
     Args:
         obj (Any): this rank's value.
         name: ignored.
-        **ignored (Any): Horovod's other arguments, ignored.
+        **hints (Any): Horovod's `device_dense`, `device_sparse`,
+            `ignore_name_scope`, `session` (ignored) and `process_set` (only
+            None).
 
     Returns:
         One unpickled copy of each rank's object, in rank order (with one
             rank, `[obj]`).
     """
+    check_hints(hints, "allgather_object", "obj, name")
     return exchange.gather(obj)

@@ -8,18 +8,16 @@ from __future__ import annotations
 from dsgd.train import collectives
 from dsgd.train.collectives import Average, Compression
 
-# Horovod arguments that only steer its own fusion, devices or process sets: accepted
-# (a port keeps working) and ignored (dsgd fuses by its shard plan, on the CPU).
+# Horovod arguments that only steer its own fusion or devices: accepted (a port keeps
+# working) and ignored (dsgd fuses by its shard plan, on the CPU); process_set only as None.
 _HINTS = ("device_dense", "device_sparse", "sparse_as_dense", "num_groups", "groups",
           "process_set", "scale_local_gradients")
 
 
 def _check_hints(kwargs: dict, where: str) -> None:
-    unknown = sorted(set(kwargs) - set(_HINTS))
-    if unknown:
-        raise TypeError(f"{where}: unexpected argument(s) {unknown}; accepted: compression, op"
-                        f"{', backward_passes_per_step, average_aggregated_gradients, name' if 'Optimizer' in where else ''}"
-                        f", and Horovod's hints {list(_HINTS)} (ignored)")
+    accepted = "compression, op" + (", backward_passes_per_step, average_aggregated_gradients, "
+                                     "name" if "Optimizer" in where else "")
+    collectives.check_hints(kwargs, where, accepted, _HINTS)
 
 
 def mean_tensors(tensors: list, compression=None, op=Average) -> list:
@@ -48,12 +46,12 @@ class DistributedGradientTape:
             the gradients' wire type.
         op (int): `dsgd.train.Average` or `dsgd.train.Sum`.
         gradient_predivide_factor: must stay 1.0 (not supported).
-        **hints (Any): Horovod's device, sparse-as-dense, grouping and
-            process-set arguments, accepted and ignored.
+        **hints (Any): Horovod's device, sparse-as-dense and grouping
+            arguments, accepted and ignored; `process_set` only as None.
 
     Raises:
         TypeError: an unknown keyword argument.
-        ValueError: a bad `compression` or `op`, or
+        ValueError: a bad `compression` or `op`, a `process_set`, or
             `gradient_predivide_factor` other than 1.0.
     """
 
@@ -123,8 +121,8 @@ def DistributedOptimizer(optimizer, name: str | None = None, compression=Compres
         average_aggregated_gradients: with k > 1, average the k passes'
             gradients instead of summing them (as Horovod).
         op (int): `dsgd.train.Average` or `dsgd.train.Sum`.
-        **hints (Any): Horovod's device, sparse-as-dense, grouping and
-            process-set arguments, accepted and ignored.
+        **hints (Any): Horovod's device, sparse-as-dense and grouping
+            arguments, accepted and ignored; `process_set` only as None.
 
     Returns:
         (keras.optimizers.Optimizer): The wrapping optimizer.
@@ -133,7 +131,8 @@ def DistributedOptimizer(optimizer, name: str | None = None, compression=Compres
         TypeError: `optimizer` is not a Keras optimizer, or an unknown keyword
             argument.
         ValueError: the `mixed_float16` policy is set, a bad
-            `backward_passes_per_step`, `compression` or `op`.
+            `backward_passes_per_step`, `compression` or `op`, or a
+            `process_set`.
     """
     import keras
 
