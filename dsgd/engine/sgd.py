@@ -66,7 +66,9 @@ class DistributedSGD:
         num_cpus_per_worker: CPUs Ray reserves for each worker.
         step_timeout_s: longest wait for one step (or one call), in seconds,
             counted from when the driver begins waiting for it; then
-            `StepTimeoutError` (or, with `replace_hung`, a recovery).
+            `StepTimeoutError` (or, with `replace_hung`, a recovery). A worker's
+            first step (also a replacement's, or after a new batch shape)
+            includes tracing the compiled step: seconds for a large model.
         start_timeout_s: longest wait for workers to start and build replicas,
             in seconds.
         stall_warning_s: while a wait is pending, log a stall report naming the
