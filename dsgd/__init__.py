@@ -9,10 +9,13 @@ from dsgd.native import installation as _installation
 _installation.check_compiled(_os.path.dirname(_os.path.abspath(__file__)))
 
 # TensorFlow's start-up probing lines (no CUDA driver, cuInit, oneDNN) are dropped here,
-# in every dsgd actor and in a script that imports dsgd first: dsgd/tf_logging.py.
+# in every dsgd actor and in a script that imports dsgd first: dsgd/tf_logging.py. Not
+# in a PS actor's process, which never uses TensorFlow (constants.PS_RUNTIME_ENV).
+from dsgd import constants as _constants  # noqa: E402
 from dsgd.tf_logging import import_tensorflow as _import_tensorflow  # noqa: E402
 
-_import_tensorflow()
+if _os.environ.get(_constants.NO_TENSORFLOW_VARIABLE) != "1":
+    _import_tensorflow()
 
 from dsgd.data import Dataset  # noqa: E402
 from dsgd.errors import (CheckpointError, DsgdError, ModelMismatchError,  # noqa: E402

@@ -41,6 +41,18 @@ def test_actor_names_and_shutdown(sgd2x2):
         "dsgd-ps-0", "dsgd-ps-1", "dsgd-worker-0", "dsgd-worker-1"]
 
 
+def test_ps_processes_do_not_load_tensorflow(sgd2x2):
+    """A PS sums numpy arrays: its process must not import TensorFlow (~0.6 GB and
+    ~5 s of start-up, so of every PS replacement). The workers' do (control)."""
+    def maps(actor) -> str:
+        pid = ray.get(actor.ping.remote(), timeout=60)["pid"]
+        with open(f"/proc/{pid}/maps") as f:
+            return f.read()
+
+    assert all("tensorflow" not in maps(ps) for ps in sgd2x2.ps_actors)
+    assert all("tensorflow" in maps(w) for w in sgd2x2.workers)
+
+
 def test_replicas_start_from_worker0_replica0(sgd2x2):
     # tiny.TinyModel seeds each replica differently; the broadcast must erase that.
     weights = sgd2x2.foreach_model(lambda m: m.get_weights())

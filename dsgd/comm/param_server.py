@@ -195,10 +195,11 @@ def ps_options(node_id: str) -> dict:
     """Ray options of a PS actor on node `node_id`: hard node affinity (a soft
     one was seen to fall back to another node although a 0-CPU actor fits), no
     CPU slot (it must never keep a worker from being scheduled on a small
-    node), niceness 0 like the workers."""
+    node), niceness 0 like the workers, and no TensorFlow in its process
+    (constants.PS_RUNTIME_ENV)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return {"num_cpus": constants.PS_NUM_CPUS, "runtime_env": constants.ACTOR_RUNTIME_ENV,
+    return {"num_cpus": constants.PS_NUM_CPUS, "runtime_env": constants.PS_RUNTIME_ENV,
             "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
 
 
