@@ -70,8 +70,8 @@ ACTOR_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 # `import dsgd` imports TensorFlow at once (to drop its start-up probing lines,
 # dsgd/tf_logging.py) unless this variable is "1". A PS actor sums numpy arrays and
-# never needs TensorFlow: without it its process starts in ~1 s instead of ~6 s (a PS
-# replacement's time, benchmarks/results/chaos.json) and holds ~0.1 GB instead of ~0.75.
+# never needs TensorFlow: without it a PS replacement takes ~1 s instead of ~7 s (chaos
+# benchmark, 2-core VM) and its process holds ~0.1 GB instead of ~0.75.
 NO_TENSORFLOW_VARIABLE = "DSGD_NO_TENSORFLOW"
 PS_RUNTIME_ENV = {"env_vars": {**ACTOR_RUNTIME_ENV["env_vars"], NO_TENSORFLOW_VARIABLE: "1"}}
 
