@@ -17,6 +17,10 @@ from dsgd.tf_logging import import_tensorflow as _import_tensorflow  # noqa: E40
 if _os.environ.get(_constants.NO_TENSORFLOW_VARIABLE) != "1":
     _import_tensorflow()
 
+from dsgd.progress import show_log_lines as _show_log_lines  # noqa: E402
+
+_show_log_lines()  # dsgd's INFO lines on stderr until the program configures logging
+
 from dsgd.data import Dataset  # noqa: E402
 from dsgd.errors import (CheckpointError, DsgdError, ModelMismatchError,  # noqa: E402
                          NonFiniteError, ResourceError, StepTimeoutError)

@@ -8,6 +8,7 @@ step) need Ray and live in dsgd/engine/resources.py.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,7 @@ class Config:
     model_creator: Callable[[int, int], Any]
     num_workers: int
     devices_per_worker: int
-    gpu: bool = True
+    gpu: bool | None = None
     strategy: str = "ps"
     grad_shard_bytes: int = constants.DEFAULT_GRAD_SHARD_BYTES
     all_reduce_alg: str = "simple"
@@ -59,12 +60,13 @@ class Config:
             _positive_int(name, getattr(self, name))
         if self.num_ps is not None:
             _positive_int("num_ps", self.num_ps)
-        _bool("gpu", self.gpu)
+        if self.gpu is not None:
+            _bool("gpu", self.gpu)
         _one_of("strategy", self.strategy, constants.STRATEGIES)
         _one_of("all_reduce_alg", self.all_reduce_alg, constants.ALL_REDUCE_ALGS)
-        if self.all_reduce_alg == "nccl" and not self.gpu:
-            raise ValueError("all_reduce_alg='nccl' needs GPU devices (gpu=True); "
-                             "use 'simple' or 'tree' with gpu=False")
+        if self.all_reduce_alg == "nccl" and self.gpu is False:
+            raise ValueError("all_reduce_alg='nccl' needs GPU devices (gpu=True, or None on a "
+                             "cluster with GPUs); use 'simple' or 'tree' with gpu=False")
         if self.compression is not None and (not isinstance(self.compression, str)
                                              or self.compression not in constants.COMPRESSIONS):
             raise ValueError(f"compression must be None or one of {list(constants.COMPRESSIONS)}, "
@@ -110,6 +112,16 @@ class Config:
         for name in ("num_workers", "devices_per_worker", "grad_shard_bytes", "max_failures",
                      "backup_workers"):
             object.__setattr__(self, name, int(getattr(self, name)))
+
+    def with_gpu(self, gpu: bool) -> Config:
+        """This config with `gpu` decided (`gpu=None` resolved against the cluster,
+        dsgd/engine/resources.py `resolve_gpu`), checked again."""
+        if self.all_reduce_alg == "nccl" and not gpu:
+            raise ValueError("all_reduce_alg='nccl' needs GPU devices, and gpu=None found none "
+                             "in the cluster; use 'simple' or 'tree'")
+        decided = copy.copy(self)  # not dataclasses.replace: that would pickle model_creator again
+        object.__setattr__(decided, "gpu", bool(gpu))
+        return decided
 
     @property
     def stall_report_s(self) -> float:

@@ -11,6 +11,32 @@ from dsgd.errors import ResourceError
 logger = logging.getLogger("dsgd")
 
 
+def resolve_gpu(gpu: bool | None, num_workers: int, devices_per_worker: int) -> bool:
+    """Whether the workers use GPUs: `gpu` when it is True or False; for None,
+    whether the GPUs the workers could get exist: the placement group this runs
+    in (a Ray Tune trial) has GPU bundles, or else the cluster has GPUs, a
+    choice it states once on the "dsgd" logger at INFO. Starts Ray
+    (`ray.init()`) if it is not running; blocks for one GCS call."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    if gpu is not None:
+        return gpu
+    group = ray.util.get_current_placement_group()
+    if group is not None:
+        have, where = sum(b.get("GPU", 0) for b in group.bundle_specs), "this placement group"
+    else:
+        have, where = ray.cluster_resources().get("GPU", 0), "the cluster"
+    if have:
+        logger.info("training on GPUs: %d worker(s) x %d GPU(s) (%s has %g GPU(s); gpu=False "
+                    "trains on CPU)", num_workers, devices_per_worker, where, have)
+    else:
+        logger.info("training on CPU: %s has no GPU (gpu=None); %d worker(s) x %d replica(s)",
+                    where, num_workers, devices_per_worker)
+    return have > 0
+
+
 def check_resources(num_workers: int, devices_per_worker: int, gpu: bool, num_cpus: float) -> None:
     """Fail fast when the cluster, even empty, cannot place every worker."""
     import ray
@@ -27,7 +53,8 @@ def check_resources(num_workers: int, devices_per_worker: int, gpu: bool, num_cp
     total_cpu = sum(r.get("CPU", 0) for r in nodes)
     total_gpu = sum(r.get("GPU", 0) for r in nodes)
     per_node = ", ".join(f"{r.get('CPU', 0):g} CPU/{r.get('GPU', 0):g} GPU" for r in nodes)
-    hint = " Pass gpu=False to train on CPU devices." if gpu and total_gpu == 0 else ""
+    hint = (" Pass gpu=False to train on CPU devices." if gpu and total_gpu == 0 else
+            " Pass gpu=False to train on CPU devices, or fewer devices_per_worker." if gpu else "")
     raise ResourceError(
         f"asked for {num_workers} worker(s) x ({num_cpus:g} CPU, {need_gpus} GPU) = "
         f"{num_workers * num_cpus:g} CPU and {num_workers * need_gpus} GPU, each worker's GPUs on one "

@@ -23,6 +23,7 @@ from dsgd.engine.backups import Stragglers
 from dsgd.engine.feeds import Feeds
 from dsgd.engine.loop import StepLoop
 from dsgd.engine.recovery import Recovery
+from dsgd.engine.resources import resolve_gpu
 from dsgd.engine.state import Progress, Topology
 from dsgd.engine.step import per_group
 from dsgd.errors import StepTimeoutError
@@ -56,7 +57,12 @@ class DistributedSGD:
         num_workers: worker actors (Ray processes).
         devices_per_worker: replicas per worker: GPUs with `gpu=True`, else logical
             CPU devices carved out of the worker's CPU.
-        gpu: ask Ray for `devices_per_worker` GPUs per worker.
+        gpu: True: each worker asks Ray for `devices_per_worker` GPUs and
+            builds one replica per GPU; False: replicas on logical CPU devices;
+            None (default): True when the cluster (or the placement group this
+            runs in, e.g. a Ray Tune trial) has GPUs, else False. The choice is
+            logged at start (the "dsgd" logger, INFO) and kept in
+            `config.gpu`.
         strategy: "ps" (sharded parameter servers) or "simple" (the driver averages
             whole gradients; the reference path). See `dsgd.constants.STRATEGIES`.
         grad_shard_bytes: largest gradient shard, in bytes ("ps").
@@ -148,7 +154,7 @@ class DistributedSGD:
                  "_feeds", "_recovery", "_loop")
 
     def __init__(self, model_creator: Callable[[int, int], Model], num_workers: int,
-                 devices_per_worker: int, gpu: bool = True, strategy: str = "ps",
+                 devices_per_worker: int, gpu: bool | None = None, strategy: str = "ps",
                  grad_shard_bytes: int = constants.DEFAULT_GRAD_SHARD_BYTES,
                  all_reduce_alg: str = "simple", num_ps: int | None = None, *,
                  num_cpus_per_worker: float = constants.DEFAULT_NUM_CPUS_PER_WORKER,
@@ -168,11 +174,9 @@ class DistributedSGD:
             max_failures=max_failures, elastic=elastic, replace_hung=replace_hung,
             worker_init=worker_init, compression=compression, apply_per_group=apply_per_group,
             local_steps_per_call=local_steps_per_call, backup_workers=backup_workers, local=local)
-        import ray
-
-        if not ray.is_initialized():
-            ray.init()
-        config = self.config
+        # Starts Ray if it is not running; gpu=None becomes whether the cluster has GPUs.
+        self.config = config = self.config.with_gpu(
+            resolve_gpu(gpu, num_workers, devices_per_worker))
         # Run after recovery or elastic growth put new workers in place (copied
         # state), e.g. so that the Trainer gives them its train() info.
         self.on_workers_changed: list[Callable[[], Any]] = []

@@ -103,7 +103,11 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", default=None,
                    help=f"PNG files of --input files/ray-data (default {mnist_data.default_directory()})")
     p.add_argument("--max-concurrency", type=int, default=4, help="parallel decodes (--input files)")
-    p.add_argument("--gpu", action="store_true", help="one GPU per device")
+    devices = p.add_mutually_exclusive_group()
+    devices.add_argument("--gpu", dest="gpu", action="store_const", const=True, default=None,
+                         help="one GPU per device (default: GPUs if the cluster has them)")
+    devices.add_argument("--cpu", dest="gpu", action="store_const", const=False,
+                         help="CPU devices even where the cluster has GPUs")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--min-accuracy", type=float, default=None,
                    help="exit with status 1 if the final test accuracy is lower")

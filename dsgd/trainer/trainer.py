@@ -23,6 +23,7 @@ from dsgd.config import check_picklable
 from dsgd.data import Dataset
 from dsgd.data.dataset import is_ray_dataset
 from dsgd.data.feeds import RowSpans
+from dsgd.engine.resources import resolve_gpu
 from dsgd.engine.sgd import DistributedSGD
 from dsgd.trainer import results
 from dsgd.trainer.custom import custom_train_epoch, custom_validate
@@ -49,7 +50,8 @@ class Trainer:
     Args:
         training_operator_cls: a `dsgd.TrainingOperator` subclass.
         num_workers: worker actors, as `DistributedSGD`'s.
-        use_gpu: as `DistributedSGD`'s `gpu`.
+        use_gpu: as `DistributedSGD`'s `gpu`: True, False, or None (default):
+            the GPUs the cluster has, if any (the choice is logged at start).
         config: passed to the operator's `setup`; `config[dsgd.BATCH_SIZE]` is
             the global batch size, divided among all replicas (ValueError if it
             does not divide); the operator sees the per-replica batch there.
@@ -100,7 +102,8 @@ class Trainer:
         epoch: epochs trained so far (restored by `load`).
     """
 
-    def __init__(self, training_operator_cls: type, num_workers: int = 1, use_gpu: bool = False,
+    def __init__(self, training_operator_cls: type, num_workers: int = 1,
+                 use_gpu: bool | None = None,
                  config: dict | None = None, devices_per_worker: int = 1, strategy: str = "ps",
                  use_fp16: bool | str = False, initialization_hook: Callable | None = None,
                  logdir: str | None = None, scheduler_step_freq: str = "epoch",
@@ -136,6 +139,11 @@ class Trainer:
         engine_options.setdefault("replace_hung", True)
         if scaling:  # LossScaleOptimizer skips overflowing steps itself, on every replica alike
             engine_options.setdefault("on_nonfinite", "ignore")
+        if use_gpu is not None and not isinstance(use_gpu, bool):
+            raise TypeError(f"use_gpu must be True, False or None (use the cluster's GPUs), got "
+                            f"{use_gpu!r}")
+        # Decided here, not in the engine: the operators are told their device.
+        use_gpu = resolve_gpu(use_gpu, num_workers, devices_per_worker)
         world = num_workers * devices_per_worker
         creator = _ReplicaCreator(training_operator_cls, self._replica_config, devices_per_worker,
                                   world, use_gpu, scaling, scheduler_step_freq)

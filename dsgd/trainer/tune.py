@@ -15,7 +15,7 @@ CHECKPOINT_NAME = "trainer"
 
 
 def trainable(trainer_cls, training_operator_cls, *, num_workers: int = 1,
-              use_gpu: bool = False, devices_per_worker: int = 1,
+              use_gpu: bool | None = None, devices_per_worker: int = 1,
               num_cpus_per_worker: float = 1, config: dict | None = None, **trainer_kwargs):
     """A `ray.tune.Trainable` class: the trial's config (merged over `config`)
     goes to the operator's setup; each training iteration is `train()` then
@@ -30,8 +30,12 @@ def trainable(trainer_cls, training_operator_cls, *, num_workers: int = 1,
     class DsgdTrainable(tune.Trainable):
         @classmethod
         def default_resource_request(cls, config):
+            import ray
+
             worker = {"CPU": num_cpus_per_worker}
-            if use_gpu:
+            # None: the cluster's GPUs, if any (the trial's Trainer then finds them in its group).
+            if use_gpu or (use_gpu is None and ray.is_initialized()
+                           and ray.cluster_resources().get("GPU", 0) > 0):
                 worker["GPU"] = devices_per_worker
             return tune.PlacementGroupFactory([{"CPU": 1}] + [worker] * num_workers)
 

@@ -1,0 +1,55 @@
+"""Which devices the replicas use: `gpu=None` (the default of the engine and the
+Trainer) uses the GPUs the cluster has and says so at start."""
+
+import logging
+
+import pytest
+import ray
+
+import dsgd
+import tiny
+import trainer_ops
+from dsgd.config import Config
+from dsgd.engine import resources
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
+
+
+def test_default_on_a_cluster_without_gpus_is_cpu_and_said(caplog):
+    caplog.set_level(logging.INFO, logger="dsgd")
+    with dsgd.DistributedSGD(tiny.creator(1, 4), 1, 1, local=True) as sgd:
+        assert sgd.config.gpu is False
+        assert sgd.worker_info[0]["devices"] == ["/device:CPU:0"]
+    assert "training on CPU: the cluster has no GPU (gpu=None)" in caplog.text
+
+
+def test_trainer_default_is_the_engines(caplog):
+    caplog.set_level(logging.INFO, logger="dsgd")
+    with dsgd.Trainer(trainer_ops.Classifier, num_workers=1, local=True,
+                      config={dsgd.BATCH_SIZE: 16}) as trainer:
+        assert trainer.sgd.config.gpu is False
+        assert trainer.sgd.for_model(lambda m: m.operator.device) == "/device:CPU:0"
+    assert caplog.text.count("training on CPU") == 1  # said once, by the Trainer
+
+
+def test_none_follows_the_clusters_gpus(monkeypatch, caplog):
+    """The decision alone (no GPU here): what a cluster with GPUs reports."""
+    caplog.set_level(logging.INFO, logger="dsgd")
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0})
+    assert resources.resolve_gpu(None, 4, 2) is True
+    assert "training on GPUs: 4 worker(s) x 2 GPU(s) (the cluster has 8 GPU(s)" in caplog.text
+    caplog.clear()
+    assert resources.resolve_gpu(False, 4, 2) is False  # an explicit choice stands, unsaid
+    assert resources.resolve_gpu(True, 4, 2) is True
+    assert caplog.text == ""
+
+
+def test_config_takes_none_and_refuses_other_values():
+    assert Config(tiny.creator(1, 4), 1, 1).gpu is None
+    assert Config(tiny.creator(1, 4), 1, 1).with_gpu(True).gpu is True
+    with pytest.raises(TypeError, match="gpu must be True or False"):
+        Config(tiny.creator(1, 4), 1, 1, gpu="auto")
+    with pytest.raises(ValueError, match="all_reduce_alg='nccl' needs GPU devices"):
+        Config(tiny.creator(2, 4), 1, 2, all_reduce_alg="nccl").with_gpu(False)
+    with pytest.raises(TypeError, match="use_gpu must be True, False or None"):
+        dsgd.Trainer(trainer_ops.Classifier, use_gpu="yes")
