@@ -90,9 +90,12 @@ def _wait_for_a_registered_checkpoint(run_dir, timeout_s=120.0):
 
 
 def resuming_loop(config):
-    """4 epochs of one step each, a checkpoint reported after each; resumes from
-    Ray Train's checkpoint after a restart. Rank 1 SIGKILLs itself at epoch 2,
-    once (config["marker"]), after the controller has registered a checkpoint."""
+    """4 epochs of one step each (SGD with momentum, every rank from the same
+    initial weights), a checkpoint (weights, optimizer state, epoch) reported
+    after each; resumes from `ray.train.get_checkpoint()` after a restart. Rank 1
+    SIGKILLs itself at epoch 2, once (config["marker"]), after the controller
+    has registered a checkpoint. Rank 0 appends each epoch it reports to
+    <out>/epochs.txt; each rank saves its final weights to <out>/final<rank>.npz."""
     import signal
     import tempfile
 
@@ -104,15 +107,15 @@ def resuming_loop(config):
     rank = ray.train.get_context().get_world_rank()
     model, optimizer = tiny.make_keras_model(seed=0), tiny.make_optimizer("sgdm")
     optimizer.build(model.trainable_variables)
+    state = model.weights + optimizer.variables
     start = 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            state = np.load(os.path.join(directory, "state.npz"))
-            model.set_weights([state[f"w{k}"] for k in range(len(model.weights))])
-            for k, v in enumerate(optimizer.variables):
-                v.assign(state[f"o{k}"])
-            start = int(state["epoch"]) + 1
+            saved = np.load(os.path.join(directory, "state.npz"))
+            for k, v in enumerate(state):
+                v.assign(saved[f"v{k}"])
+            start = int(saved["epoch"]) + 1
     for epoch in range(start, 4):
         if epoch == 2 and rank == 1 and not os.path.exists(config["marker"]):
             _wait_for_a_registered_checkpoint(config["run_dir"])
@@ -123,9 +126,13 @@ def resuming_loop(config):
         grads = dt.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         with tempfile.TemporaryDirectory() as directory:
-            state = {f"w{k}": w for k, w in enumerate(model.get_weights())}
-            state.update({f"o{k}": v.numpy() for k, v in enumerate(optimizer.variables)})
-            np.savez(os.path.join(directory, "state.npz"), epoch=epoch, **state)
+            checkpoint = None
+            if rank == 0:
+                np.savez(os.path.join(directory, "state.npz"), epoch=epoch,
+                         **{f"v{k}": v.numpy() for k, v in enumerate(state)})
+                checkpoint = ray.train.Checkpoint.from_directory(directory)
+                with open(os.path.join(config["out"], "epochs.txt"), "a") as f:
+                    f.write(f"{epoch}\n")
             ray.train.report({"epoch": epoch, "loss": float(loss), "resumed_from": start},
-                             checkpoint=ray.train.Checkpoint.from_directory(directory)
-                             if rank == 0 else None)
+                             checkpoint=checkpoint)
+    np.savez(os.path.join(config["out"], f"final{rank}.npz"), *model.get_weights())

@@ -57,22 +57,35 @@ def test_shards_ranks_and_exact_gradients(tmp_path):
     assert all("dsgd.comm.param_server.ParameterServer" in mro for mro in classes), classes
 
 
-# Two Ray Train runs (~30 s): `slow`. The default run keeps Ray Train's failure errors
-# (test_a_dead_ps_is_an_error_naming_it, test_a_missing_rank_times_out_naming_it).
+# Two Ray Train worker groups (~40 s): `slow`. The default run keeps Ray Train's failure
+# errors (test_a_dead_ps_is_an_error_naming_it, test_a_missing_rank_times_out_naming_it).
 @pytest.mark.slow
-def test_a_worker_killed_mid_fit_restarts_from_the_checkpoint(tmp_path):
+def test_a_worker_killed_mid_fit_resumes_from_the_checkpoint_exactly(tmp_path):
+    """Rank 1 SIGKILLed at epoch 2 of 4 (one SGD+momentum step each); Ray Train
+    restarts the group, the loop loads `ray.train.get_checkpoint()` (weights,
+    optimizer state, epoch): the epochs reported after the restart go on from
+    the checkpoint's, not from 0, and the final weights are one process's
+    after 4 steps on the concatenated batches, as if nothing had failed."""
     marker = tmp_path / "killed"
     trainer = dt.DsgdTrainer(raytrain_loops.resuming_loop,
-                             train_loop_config={"marker": str(marker),
+                             train_loop_config={"marker": str(marker), "out": str(tmp_path),
                                                 "run_dir": str(tmp_path / "runs" / "restart")},
                              scaling_config=ScalingConfig(num_workers=2),
                              run_config=RunConfig(storage_path=str(tmp_path / "runs"), name="restart",
                                                   failure_config=FailureConfig(max_failures=1)))
     result = trainer.fit()
     assert marker.exists() and result.error is None
-    # Restarted from a registered checkpoint (Ray Train's latest: epoch 0 or 1, the
-    # loop waits for one before the kill), not from scratch, and ran to the end.
-    assert result.metrics["epoch"] == 3 and result.metrics["resumed_from"] in (1, 2)
+    # Resumed from a registered checkpoint (Ray Train's latest: epoch 0 or 1, the loop
+    # waits for one before the kill), not from scratch, and ran to the end.
+    start = result.metrics["resumed_from"]
+    assert result.metrics["epoch"] == 3 and start in (1, 2)
+    epochs = [int(line) for line in (tmp_path / "epochs.txt").read_text().split()]
+    assert epochs == [0, 1] + list(range(start, 4)), epochs
+    expected, _ = tiny.reference_run(tiny.make_keras_model(seed=0).get_weights(), 2, 4, 4, "sgdm")
+    finals = [np.load(tmp_path / f"final{r}.npz") for r in range(2)]
+    for k, want in enumerate(expected):
+        np.testing.assert_allclose(finals[0][f"arr_{k}"], want, rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(finals[1][f"arr_{k}"], finals[0][f"arr_{k}"])
     assert not dsgd_ps_actors()
 
 
