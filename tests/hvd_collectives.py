@@ -69,7 +69,8 @@ import keras  # noqa: E402
 model = tiny.make_keras_model(seed=r)
 hvd.broadcast_variables(model.variables, root_rank=0)
 model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2,
-                                                 average_aggregated_gradients=True),
+                                                 average_aggregated_gradients=True,
+                                                 gradient_predivide_factor=1.0),
               loss="mse", jit_compile=False)
 batches = [tiny.make_batch(r, t, batch) for t in range(4)]
 model.fit(np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches]),
@@ -78,7 +79,8 @@ for k, w in enumerate(model.get_weights()):
     saved[f"passes_{k}"] = w
 
 # Horovod's custom loop: DistributedGradientTape in tf.function, the first-batch
-# broadcast of model and optimizer variables inside that same function.
+# broadcast of model and optimizer variables inside that same function (with Horovod's
+# process_set and inplace arguments, as a port may pass them).
 model, opt = tiny.make_keras_model(seed=r), tiny.make_optimizer("sgdm")
 
 
@@ -90,8 +92,9 @@ def training_step(xb, yb, first_batch):
     grads = tape.gradient(loss, model.trainable_variables)
     opt.apply_gradients(zip(grads, model.trainable_variables))
     if first_batch:
-        hvd.broadcast_variables(model.variables, root_rank=0)
-        hvd.broadcast_variables(opt.variables, root_rank=0)
+        hvd.broadcast_variables(model.variables, root_rank=0,
+                                process_set=hvd.global_process_set, inplace=True)
+        hvd.broadcast_variables(opt.variables, root_rank=0, process_set=None, inplace=False)
     return loss
 
 

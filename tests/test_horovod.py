@@ -190,6 +190,18 @@ def test_bad_arguments_are_named():
     hvd.DistributedGradientTape(None, device_dense="/gpu:0", sparse_as_dense=True)  # hints
     with pytest.raises(ValueError, match="DistributedOptimizer: process_set=.* dsgd has no process"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), process_set="evens")
+    # Horovod's gradient_predivide_factor: its default 1.0 (the same mean) only.
+    hvd.DistributedGradientTape(None, gradient_predivide_factor=1.0)
+    hvd.DistributedOptimizer(keras.optimizers.SGD(), gradient_predivide_factor=1.0,
+                             process_set=hvd.global_process_set, use_locking=False,
+                             device_sparse="", num_groups=0)
+    for wrap in (lambda **kw: hvd.DistributedGradientTape(None, **kw),
+                 lambda **kw: hvd.DistributedOptimizer(keras.optimizers.SGD(), **kw)):
+        with pytest.raises(ValueError, match=r"(Tape|Optimizer): gradient_predivide_factor=2.0 "
+                                             r"is not supported"):
+            wrap(gradient_predivide_factor=2.0)
+        with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['gradient_predivide'\]"):
+            wrap(gradient_predivide=1.0)
     # Each collective names a misspelt argument and a process set before it needs a run.
     import tensorflow as tf
 
@@ -198,6 +210,8 @@ def test_bad_arguments_are_named():
              "grouped_allreduce": lambda **kw: hvd.grouped_allreduce([one], **kw),
              "allgather": lambda **kw: hvd.allgather(one, **kw),
              "broadcast": lambda **kw: hvd.broadcast(one, 0, **kw),
+             "broadcast_variables": lambda **kw: hvd.broadcast_variables([tf.Variable(one)], 0,
+                                                                         **kw),
              "broadcast_object": lambda **kw: hvd.broadcast_object({}, 0, **kw),
              "allgather_object": lambda **kw: hvd.allgather_object({}, **kw)}
     for where, call in calls.items():
@@ -208,10 +222,23 @@ def test_bad_arguments_are_named():
         # Horovod's hints pass the check; then the call needs a run, as without them.
         with pytest.raises(DsgdError, match=r"python -m dsgd.train.run -np N"):
             call(process_set=None, ignore_name_scope=True)
+    # broadcast_variables takes Horovod's inplace= too (variables are always assigned in place).
+    with pytest.raises(DsgdError, match=r"python -m dsgd.train.run -np N"):
+        hvd.broadcast_variables([tf.Variable(one)], 0, process_set=hvd.global_process_set,
+                                inplace=True)
     with pytest.raises(ValueError, match="backward_passes_per_step must be an int >= 1"):
         hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)
     with pytest.raises(ValueError, match="initial_lr must be a positive number"):
         hvd.callbacks.LearningRateWarmupCallback(0)
+
+
+def test_horovod_names_not_provided_say_so():
+    for name in ("alltoall", "reducescatter", "PartialDistributedGradientTape", "join", "elastic",
+                 "load_model", "start_timeline"):
+        with pytest.raises(AttributeError, match=rf"dsgd.train does not provide Horovod's {name}"):
+            getattr(hvd, name)
+    with pytest.raises(AttributeError, match="has no attribute 'allreduse'"):
+        hvd.allreduse  # noqa: B018
 
 
 @pytest.mark.slow

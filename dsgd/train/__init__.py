@@ -9,9 +9,9 @@ runs in Ray Train's workers and exchanges through dsgd's sharded PS actors
 
 from dsgd.train.collectives import (Adasum, Average, Compression, Sum, allgather,
                                     allgather_object, allreduce, broadcast, broadcast_object,
-                                    broadcast_variables, cross_rank, cross_size, grouped_allreduce,
-                                    init, is_homogeneous, is_initialized, local_rank, local_size,
-                                    rank, shutdown, size)
+                                    broadcast_variables, cross_rank, cross_size, global_process_set,
+                                    grouped_allreduce, init, is_homogeneous, is_initialized,
+                                    local_rank, local_size, rank, shutdown, size)
 from dsgd.train.config import DsgdBackend, DsgdConfig
 from dsgd.train.tape import DistributedGradientTape, DistributedOptimizer
 from dsgd.train.trainer import DsgdTrainer
@@ -21,7 +21,23 @@ __all__ = ["DsgdTrainer", "DsgdConfig", "DsgdBackend", "DistributedGradientTape"
            "size", "rank", "local_rank", "local_size", "cross_rank", "cross_size",
            "is_homogeneous", "allreduce", "grouped_allreduce", "allgather", "broadcast",
            "broadcast_object", "allgather_object", "Average", "Sum", "Adasum", "Compression",
-           "callbacks"]
+           "global_process_set", "callbacks"]
+
+# Horovod names a port may use that dsgd does not provide: an AttributeError that says so
+# (docs/raytrain.md, "Not provided") instead of a bare "no attribute".
+_NOT_PROVIDED = {
+    "alltoall": "", "reducescatter": "", "grouped_reducescatter": "", "join": "",
+    "barrier": "", "elastic": "", "ProcessSet": " (dsgd has no process sets)",
+    "add_process_set": " (dsgd has no process sets)",
+    "remove_process_set": " (dsgd has no process sets)",
+    "PartialDistributedGradientTape": " (every gradient a wrapper returns is averaged)",
+    "PartialDistributedOptimizer": " (every gradient a wrapper returns is averaged)",
+    "start_timeline": "", "stop_timeline": "",
+    "load_model": " (keras.models.load_model(path, compile=False), then compile with "
+                  "DistributedOptimizer)",
+    "broadcast_global_variables": " (TF1 sessions; use broadcast_variables or "
+                                  "callbacks.BroadcastGlobalVariablesCallback)",
+}
 
 
 def __getattr__(name):
@@ -29,4 +45,7 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module("dsgd.train.callbacks")
+    if name in _NOT_PROVIDED:
+        raise AttributeError(f"dsgd.train does not provide Horovod's {name}{_NOT_PROVIDED[name]}: "
+                             "see docs/raytrain.md, 'Not provided'")
     raise AttributeError(f"module 'dsgd.train' has no attribute {name!r}")

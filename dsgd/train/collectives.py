@@ -90,9 +90,15 @@ def wire_of(compression) -> str | None:
                      f"{compression!r}")
 
 
+global_process_set = None
+"""Horovod's `hvd.global_process_set`, the process set of every rank: the only
+one dsgd has (every collective spans all ranks), so it is None, and
+`process_set=global_process_set` (or `process_set=None`) is what every name
+accepts."""
+
 # Horovod arguments with nothing to steer in dsgd (devices, name scopes, TF1 sessions):
-# accepted, so that a port keeps working, and ignored. process_set only as None: dsgd
-# has no process sets (every collective spans all ranks).
+# accepted, so that a port keeps working, and ignored. process_set only as None (the
+# global process set): dsgd has no process sets (every collective spans all ranks).
 HINTS = ("device_dense", "device_sparse", "ignore_name_scope", "session", "process_set")
 
 
@@ -112,7 +118,7 @@ def check_hints(kwargs: dict, where: str, accepted: str, hints: tuple = HINTS) -
     if kwargs.get("process_set") is not None:
         raise ValueError(f"{where}: process_set={kwargs['process_set']!r} is not supported: dsgd "
                          "has no process sets (every collective spans all ranks); leave it "
-                         "out or pass None")
+                         "out or pass None (hvd.global_process_set)")
 
 
 # -- the run's shape --------------------------------------------------------------
@@ -410,7 +416,7 @@ def _broadcast_tensors(tensors: list, root_rank: int, name: str) -> list:
     return _run(bcast, tensors, [t.dtype for t in tensors], [t.shape for t in tensors], name)
 
 
-def broadcast_variables(variables, root_rank: int = 0):
+def broadcast_variables(variables, root_rank: int = 0, inplace: bool = False, **hints):
     """Horovod's `hvd.broadcast_variables`: set every rank's `variables` to rank
     `root_rank`'s values, in one exchange (values assigned into the
     variables). Eagerly, or inside a `tf.function` (Horovod's first-batch
@@ -421,17 +427,26 @@ def broadcast_variables(variables, root_rank: int = 0):
         variables (Iterable): tf or Keras variables, the same list (shapes,
             dtypes) on every rank.
         root_rank: the rank whose values are sent.
+        inplace: accepted, with no effect: dsgd always assigns the root's
+            values into the variables (`assign`), so they keep their identity
+            and their buffers either way, as Horovod's in-place broadcast
+            does; the values received are a temporary copy, freed after the
+            assignment.
+        **hints (Any): Horovod's `process_set` (only None, that is
+            `hvd.global_process_set`) and device hints (ignored).
 
     Returns:
         (tf.Operation | None): None eagerly; inside a `tf.function`, the op
             that assigns them.
 
     Raises:
-        ValueError: `root_rank` out of range, or a variable whose shape or
-            dtype differs from the root's.
+        TypeError: an unknown keyword argument.
+        ValueError: `root_rank` out of range, a variable whose shape or dtype
+            differs from the root's, or a `process_set` other than None.
     """
     import tensorflow as tf
 
+    check_hints(hints, "broadcast_variables", "variables, root_rank, inplace")
     variables = list(variables)
     values = [tf.convert_to_tensor(v) for v in variables]
     new = _broadcast_tensors(values, root_rank, "dsgd_broadcast_variables")

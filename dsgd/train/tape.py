@@ -8,16 +8,27 @@ from __future__ import annotations
 from dsgd.train import collectives
 from dsgd.train.collectives import Average, Compression
 
-# Horovod arguments that only steer its own fusion or devices: accepted (a port keeps
-# working) and ignored (dsgd fuses by its shard plan, on the CPU); process_set only as None.
+# Horovod arguments that only steer its own fusion, devices or locking: accepted (a port
+# keeps working) and ignored (dsgd fuses by its shard plan, on the CPU; Keras 3 optimizers
+# take no lock); process_set only as None.
 _HINTS = ("device_dense", "device_sparse", "sparse_as_dense", "num_groups", "groups",
-          "process_set", "scale_local_gradients")
+          "process_set", "scale_local_gradients", "use_locking")
 
 
 def _check_hints(kwargs: dict, where: str) -> None:
-    accepted = "compression, op" + (", backward_passes_per_step, average_aggregated_gradients, "
-                                     "name" if "Optimizer" in where else "")
+    accepted = "compression, op, gradient_predivide_factor" + (
+        ", backward_passes_per_step, average_aggregated_gradients, name"
+        if "Optimizer" in where else "")
     collectives.check_hints(kwargs, where, accepted, _HINTS)
+
+
+def _check_predivide(factor, where: str) -> None:
+    """Horovod's gradient_predivide_factor f splits the average into a division
+    by f before the sum and by size/f after it; dsgd averages in one step, so
+    only f = 1.0 (Horovod's default, the same mean) is accepted."""
+    if factor != 1.0:
+        raise ValueError(f"{where}: gradient_predivide_factor={factor!r} is not supported (dsgd "
+                         "averages in one step); leave it 1.0")
 
 
 def mean_tensors(tensors: list, compression=None, op=Average) -> list:
@@ -60,9 +71,7 @@ class DistributedGradientTape:
         _check_hints(hints, "DistributedGradientTape")
         collectives.wire_of(compression)  # fails early on a bad value
         collectives._op_of(op, None)
-        if gradient_predivide_factor != 1.0:
-            raise ValueError("DistributedGradientTape: gradient_predivide_factor is not "
-                             "supported (dsgd averages in one step); leave it 1.0")
+        _check_predivide(gradient_predivide_factor, "DistributedGradientTape")
         self._tape, self._compression, self._op = gradtape, compression, op
 
     def gradient(self, target, sources, output_gradients=None, **kwargs):
@@ -95,7 +104,8 @@ class DistributedGradientTape:
 
 def DistributedOptimizer(optimizer, name: str | None = None, compression=Compression.none,  # noqa: N802
                          backward_passes_per_step: int = 1,
-                         average_aggregated_gradients: bool = False, op=Average, **hints):
+                         average_aggregated_gradients: bool = False, op=Average,
+                         gradient_predivide_factor: float = 1.0, **hints):
     """Horovod's Keras `hvd.DistributedOptimizer`: a Keras 3 optimizer that averages
     gradients over all Ray Train workers before `optimizer` applies them:
     `model.compile(optimizer=DistributedOptimizer(opt), jit_compile=False)`
@@ -121,8 +131,11 @@ def DistributedOptimizer(optimizer, name: str | None = None, compression=Compres
         average_aggregated_gradients: with k > 1, average the k passes'
             gradients instead of summing them (as Horovod).
         op (int): `dsgd.train.Average` or `dsgd.train.Sum`.
-        **hints (Any): Horovod's device, sparse-as-dense and grouping
-            arguments, accepted and ignored; `process_set` only as None.
+        gradient_predivide_factor: must stay 1.0 (Horovod's default; other
+            values are not supported).
+        **hints (Any): Horovod's device, sparse-as-dense, grouping and
+            `use_locking` arguments, accepted and ignored; `process_set` only
+            as None.
 
     Returns:
         (keras.optimizers.Optimizer): The wrapping optimizer.
@@ -131,12 +144,13 @@ def DistributedOptimizer(optimizer, name: str | None = None, compression=Compres
         TypeError: `optimizer` is not a Keras optimizer, or an unknown keyword
             argument.
         ValueError: the `mixed_float16` policy is set, a bad
-            `backward_passes_per_step`, `compression` or `op`, or a
-            `process_set`.
+            `backward_passes_per_step`, `compression` or `op`, a
+            `process_set`, or `gradient_predivide_factor` other than 1.0.
     """
     import keras
 
     _check_hints(hints, "DistributedOptimizer")
+    _check_predivide(gradient_predivide_factor, "DistributedOptimizer")
     if keras.mixed_precision.global_policy().name == "mixed_float16":
         raise ValueError("DistributedOptimizer under the mixed_float16 policy: Keras would check "
                          "for overflow per worker before the average, and workers could skip "
