@@ -129,6 +129,25 @@ def test_a_recovery_forgets_the_late_and_the_dead():
     assert stragglers.free([handle], [2]) == [0]
 
 
+def test_a_worker_hung_under_backup_workers_is_a_step_timeout_naming_it():
+    """Without replace_hung, a worker late for more than step_timeout_s raises
+    StepTimeoutError (a DsgdError and a TimeoutError) naming it and carrying
+    its handle in `late`, as every step timeout does; a worker late for less
+    is not named."""
+    from dsgd.engine.backups import Stragglers
+
+    stragglers = Stragglers(1, step_timeout_s=0.05)
+    hung, slow = object(), object()
+    stragglers.late(hung, 2, "its compute")
+    time.sleep(0.1)
+    stragglers.late(slow, 1, "its compute")
+    with pytest.raises(dsgd.StepTimeoutError, match=r"^worker 2: late for more than "
+                       r"step_timeout_s=0 s under backup_workers .*replace_hung=True") as e:
+        stragglers._hung()
+    assert e.value.late == [hung]
+    assert isinstance(e.value, dsgd.DsgdError) and isinstance(e.value, TimeoutError)
+
+
 class TestStraggler:
     @pytest.fixture
     def run(self, straggler_run):
@@ -370,3 +389,20 @@ def test_a_worker_late_past_the_step_timeout_is_replaced_in_the_background(tmp_p
     assert os.path.exists(marker)
     # Nothing waited for the hung worker: the steps went on at their own pace.
     assert max(s["step_s"] for s in stats[3:]) < 2.0
+
+
+@pytest.mark.slow
+def test_a_worker_late_past_the_step_timeout_without_replace_hung_is_a_step_timeout(tmp_path):
+    """Without replace_hung, train() raises StepTimeoutError naming the hung
+    worker (its handle in `late`); the steps applied before it are counted:
+    worker 0's optimizer has applied exactly `steps_done` steps."""
+    marker = str(tmp_path / "hung")
+    # 15 s: the first step (tracing) must fit in it on a busy 2-core machine.
+    with make(lambda w, d: HangsOnce(w, d, marker), step_timeout_s=15) as sgd:
+        hung = sgd.workers[2]
+        with pytest.raises(dsgd.StepTimeoutError, match=r"worker 2: late for more than "
+                           r"step_timeout_s=15 s under backup_workers") as e:
+            sgd.train(num_steps=100_000)
+        assert e.value.late == [hung] and not sgd.failures
+        assert sgd.for_model(lambda m: int(m.optimizer.iterations.numpy())) == sgd.steps_done
+    assert os.path.exists(marker)

@@ -22,7 +22,7 @@ import logging
 import time
 
 from dsgd.comm.waits import actor_died_errors
-from dsgd.errors import DsgdError, StepTimeoutError
+from dsgd.errors import StepTimeoutError
 
 logger = logging.getLogger("dsgd")
 
@@ -120,15 +120,18 @@ class Stragglers:
     def _hung(self) -> None:
         """A worker late for longer than step_timeout_s is hung: with replace_hung
         it is killed and replaced in the background (the applies it owes would
-        pile up in the object store); without, DsgdError names it."""
+        pile up in the object store); without, a StepTimeoutError names every
+        hung worker and carries their handles (`late`), as any step timeout."""
         now = time.monotonic()
-        for key, (handle, slot, _, _) in list(self._busy.items()):
-            if now - self._since.get(key, now) <= self.step_timeout_s:
-                continue
-            if not self.replace_hung:
-                raise DsgdError(f"worker {slot} has been late for more than step_timeout_s="
-                                f"{self.step_timeout_s:.0f} s (hung?); pass replace_hung=True "
-                                "to replace such a worker in the background")
+        hung = [(handle, slot) for key, (handle, slot, _, _) in self._busy.items()
+                if now - self._since.get(key, now) > self.step_timeout_s]
+        if hung and not self.replace_hung:
+            who = ", ".join(f"worker {slot}" for slot in sorted(slot for _, slot in hung))
+            raise StepTimeoutError(
+                f"{who}: late for more than step_timeout_s={self.step_timeout_s:.0f} s under "
+                "backup_workers (hung?); pass replace_hung=True to replace such a worker in the "
+                "background", [handle for handle, _ in hung])
+        for handle, slot in hung:
             logger.warning("worker %d late for more than %.0f s: killing it to replace it in "
                            "the background", slot, self.step_timeout_s)
             from dsgd.engine.actors import _kill

@@ -76,6 +76,11 @@ class StepLoop:
                         ahead.started()
             except (*actor_died_errors(), StepTimeoutError) as e:
                 if isinstance(e, StepTimeoutError) and not (self.config.replace_hung and e.late):
+                    # Raised submitting the step after `pending` (under backup_workers: a
+                    # late worker hung, or late for an epoch's start): `pending`'s applies
+                    # are on their way, counted as for any other error. (Raised by
+                    # `pending` itself, it has none left to wait for.)
+                    self._drain(pending, entry)
                     raise
                 workers = len(pending.workers) if pending is not None else 0
                 membership = pending.membership() \
