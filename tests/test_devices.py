@@ -32,12 +32,22 @@ def test_trainer_default_is_the_engines(caplog):
     assert caplog.text.count("training on CPU") == 1  # said once, by the Trainer
 
 
+def nodes_with_gpus(*gpus):
+    return lambda: [{"Alive": True, "Resources": {"CPU": 8.0, "GPU": float(g)}} for g in gpus]
+
+
 def test_none_follows_the_clusters_gpus(monkeypatch, caplog):
     """The decision alone (no GPU here): what a cluster with GPUs reports."""
     caplog.set_level(logging.INFO, logger="dsgd")
-    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0})
+    monkeypatch.setattr(ray, "nodes", nodes_with_gpus(4, 4))
     assert resources.resolve_gpu(None, 4, 2) is True
     assert "training on GPUs: 4 worker(s) x 2 GPU(s) (the cluster has 8 GPU(s)" in caplog.text
+    caplog.clear()
+    # Too few GPUs for every worker (3 on one node fit one 2-GPU worker): CPU, said louder.
+    monkeypatch.setattr(ray, "nodes", nodes_with_gpus(3, 1))
+    assert resources.resolve_gpu(None, 2, 2) is False
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "the cluster has 4 GPU(s), room for 1 of the 2 worker(s) x 2 GPU(s)" in caplog.text
     caplog.clear()
     assert resources.resolve_gpu(False, 4, 2) is False  # an explicit choice stands, unsaid
     assert resources.resolve_gpu(True, 4, 2) is True

@@ -12,11 +12,12 @@ logger = logging.getLogger("dsgd")
 
 
 def resolve_gpu(gpu: bool | None, num_workers: int, devices_per_worker: int) -> bool:
-    """Whether the workers use GPUs: `gpu` when it is True or False; for None,
-    whether the GPUs the workers could get exist: the placement group this runs
-    in (a Ray Tune trial) has GPU bundles, or else the cluster has GPUs, a
-    choice it states once on the "dsgd" logger at INFO. Starts Ray
-    (`ray.init()`) if it is not running; blocks for one GCS call."""
+    """Whether the workers use GPUs: `gpu` when it is True or False. For None,
+    True when the GPUs could hold every worker (`devices_per_worker` GPUs of one
+    node, or one bundle of the placement group this runs in, such as a Ray Tune
+    trial's, each), else False; it says which on the "dsgd" logger (INFO;
+    WARNING where GPUs exist but are too few). Starts Ray (`ray.init()`) if it
+    is not running; blocks for one GCS call."""
     import ray
 
     if not ray.is_initialized():
@@ -25,16 +26,24 @@ def resolve_gpu(gpu: bool | None, num_workers: int, devices_per_worker: int) -> 
         return gpu
     group = ray.util.get_current_placement_group()
     if group is not None:
-        have, where = sum(b.get("GPU", 0) for b in group.bundle_specs), "this placement group"
+        per_place, where = [b.get("GPU", 0) for b in group.bundle_specs], "this placement group"
     else:
-        have, where = ray.cluster_resources().get("GPU", 0), "the cluster"
-    if have:
+        per_place = [n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")]
+        where = "the cluster"
+    have = sum(per_place)
+    fit = sum(int(g // devices_per_worker) for g in per_place)
+    if have and fit >= num_workers:
         logger.info("training on GPUs: %d worker(s) x %d GPU(s) (%s has %g GPU(s); gpu=False "
                     "trains on CPU)", num_workers, devices_per_worker, where, have)
+        return True
+    if have:
+        logger.warning("training on CPU: %s has %g GPU(s), room for %d of the %d worker(s) x %d "
+                       "GPU(s); pass gpu=True to be told what is missing, or use fewer workers "
+                       "or devices_per_worker", where, have, fit, num_workers, devices_per_worker)
     else:
         logger.info("training on CPU: %s has no GPU (gpu=None); %d worker(s) x %d replica(s)",
                     where, num_workers, devices_per_worker)
-    return have > 0
+    return False
 
 
 def check_resources(num_workers: int, devices_per_worker: int, gpu: bool, num_cpus: float) -> None:
