@@ -13,12 +13,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # inherited by Ray's worker 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import counting  # noqa: E402
+import helpers  # noqa: E402
 import raytrain_loops  # noqa: E402
 import tiny  # noqa: E402
 import trainer_ops  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
-for _helper in (tiny, counting, trainer_ops, raytrain_loops):
+for _helper in (tiny, counting, helpers, trainer_ops, raytrain_loops):
     cloudpickle.register_pickle_by_value(_helper)
 
 
@@ -61,3 +62,37 @@ def pytest_collection_modifyitems(config, items):
         cloudpickle.register_pickle_by_value(module)
     # The multi-node module shuts the shared cluster down; run it after everything else.
     items.sort(key=lambda item: item.get_closest_marker("multinode") is not None)
+
+
+# -- what the run cost: worker and PS actors started, per test file ---------------------------
+# Starting a worker (a process that imports TensorFlow and traces its step) is most of a
+# test's time on 2 cores; this count is the suite's budget that noise does not move.
+_STARTED: dict[str, list[int]] = {}
+
+
+def _count_starts():
+    from dsgd.engine.actors import ActorSet
+
+    def counted(method, index):
+        def start(self, slots_or_missing, *args, **kwargs):
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[0]
+            _STARTED.setdefault(test, [0, 0])[index] += len(slots_or_missing)
+            return method(self, slots_or_missing, *args, **kwargs)
+        return start
+
+    ActorSet.start_workers = counted(ActorSet.start_workers, 0)
+    ActorSet.start_ps = counted(ActorSet.start_ps, 1)
+
+
+_count_starts()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _STARTED:
+        return
+    rows = sorted(_STARTED.items(), key=lambda kv: -kv[1][0])
+    terminalreporter.write_sep("-", "dsgd actors started (workers, PS) per test file")
+    for test, (workers, ps) in rows:
+        terminalreporter.write_line(f"{workers:5d} {ps:5d}  {test}")
+    workers, ps = (sum(c[i] for c in _STARTED.values()) for i in (0, 1))
+    terminalreporter.write_line(f"{workers:5d} {ps:5d}  in all")

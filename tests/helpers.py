@@ -1,0 +1,80 @@
+"""What many test modules need: replica equality, the dsgd actors alive on the
+cluster, waiting for a condition, and putting a shared instance back to a known
+state so that tests of one module can share its actors (each construction
+starts worker processes that import TensorFlow: seconds each on 2 cores)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def replica_weights(sgd) -> list[list[np.ndarray]]:
+    """Every replica's weights (a `DistributedSGD` or a `Trainer`), worker-major."""
+    sgd = getattr(sgd, "sgd", sgd)
+    return sgd.foreach_model(lambda m: m.get_weights())
+
+
+def assert_replicas_identical(sgd) -> list[np.ndarray]:
+    """Every replica holds bit-identical weights; returns replica 0's."""
+    first, *rest = replica_weights(sgd)
+    for r, other in enumerate(rest, start=1):
+        assert len(other) == len(first), f"replica {r} has {len(other)} variables, not {len(first)}"
+        for a, b in zip(first, other):
+            np.testing.assert_array_equal(a, b, err_msg=f"replica {r} differs from replica 0")
+    return first
+
+
+def dsgd_actor_names(prefixes=("dsgd-worker-", "dsgd-ps-"), instance_id: str | None = None) -> set[str]:
+    """Names of live dsgd actors (all namespaces), optionally of one instance (its
+    id ends every name; a replacement's name carries `-<id>-r`)."""
+    import ray
+
+    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(prefixes)}
+    if instance_id is not None:
+        names = {n for n in names if n.endswith(instance_id) or f"-{instance_id}-r" in n}
+    return names
+
+
+def wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.2) -> bool:
+    """Poll `predicate()` until it is true (True) or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+
+
+def actors_gone(instance_id: str | None = None, prefixes=("dsgd-worker-", "dsgd-ps-"),
+                before: set[str] = frozenset(), timeout_s: float = 20.0) -> set[str]:
+    """Wait (at most `timeout_s`) for killed actors to leave the name list; returns
+    the names still alive beyond `before` (empty when all went)."""
+    left = lambda: dsgd_actor_names(prefixes, instance_id) - set(before)  # noqa: E731
+    wait_until(lambda: not left(), timeout_s)
+    return left()
+
+
+class Reset:
+    """A shared `DistributedSGD` put back to the state it had when this was made:
+    weights, optimizer state and step count from a checkpoint (`restore_checkpoint`),
+    then `replica_reset(model)` on every replica for the replicas' own counters
+    (e.g. `tiny.TinyModel.steps`, which keys its batches)."""
+
+    def __init__(self, sgd, path: str, replica_reset=None):
+        self.sgd, self.path, self.replica_reset = sgd, path, replica_reset
+        sgd.save_checkpoint(path)
+
+    def __call__(self):
+        self.sgd.restore_checkpoint(self.path)
+        if self.replica_reset is not None:
+            self.sgd.foreach_model(self.replica_reset)
+        return self.sgd
+
+
+def reset_tiny_steps(model) -> None:
+    """`Reset`'s replica_reset for `tiny.TinyModel`: its batches start again at step 0."""
+    model.steps = 0
