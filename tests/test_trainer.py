@@ -9,19 +9,16 @@ import pytest
 
 import dsgd
 import trainer_ops
+from helpers import assert_replicas_identical
 from trainer_ops import Classifier, Gan, TfDataClassifier, reference
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 
 
-@pytest.mark.parametrize("operator", [Classifier, pytest.param(TfDataClassifier, marks=pytest.mark.slow)],
-                         ids=["dsgd.Dataset", "tf.data"])
-def test_results_equal_a_single_process_keras_loop(operator):
-    """2 workers, global batch 16: train() twice, validate(), against Keras in one process."""
-    with dsgd.Trainer(operator, num_workers=2, config={dsgd.BATCH_SIZE: 16}) as trainer:
-        results = [trainer.train() for _ in range(2)]
-        val = trainer.validate()
-        model = trainer.get_model()
+def check_against_keras(trainer, results, val):
+    """train() twice and validate() of a 2-worker Trainer with global batch 16,
+    against Keras in one process."""
+    model = trainer.get_model()
     losses, weights, val_loss, val_accuracy = reference(2, 16)
     assert [r["epoch"] for r in results] == [1, 2]
     assert all(r["num_samples"] == 64 and r["batch_count"] == 4 for r in results)
@@ -42,11 +39,34 @@ def mark_process():
 
 
 @pytest.fixture(scope="module")
-def trainer(tmp_path_factory):
+def shared(tmp_path_factory):
+    """One 2-worker Classifier Trainer (global batch 16, lr 0.1, TensorBoard, an
+    initialization hook) for this module, and a checkpoint of its initial state."""
     logdir = tmp_path_factory.mktemp("tensorboard")
-    with dsgd.Trainer(Classifier, num_workers=2, config={dsgd.BATCH_SIZE: 16, "lr": 0.2},
+    with dsgd.Trainer(Classifier, num_workers=2, config={dsgd.BATCH_SIZE: 16},
                       logdir=str(logdir), initialization_hook=mark_process) as trainer:
-        yield trainer
+        yield trainer, trainer.save(str(tmp_path_factory.mktemp("initial") / "ckpt"))
+
+
+@pytest.fixture
+def trainer(shared):
+    return shared[0]
+
+
+def test_results_equal_a_single_process_keras_loop(shared):
+    """2 workers, global batch 16: train() twice, validate(), against Keras in one
+    process (from the initial state: weights, optimizer and epoch restored)."""
+    trainer, initial = shared
+    trainer.load(initial)
+    results = [trainer.train() for _ in range(2)]
+    check_against_keras(trainer, results, trainer.validate())
+
+
+@pytest.mark.slow  # as before: a second construction, for the tf.data shards
+def test_results_equal_a_single_process_keras_loop_with_tf_data():
+    with dsgd.Trainer(TfDataClassifier, num_workers=2, config={dsgd.BATCH_SIZE: 16}) as trainer:
+        results = [trainer.train() for _ in range(2)]
+        check_against_keras(trainer, results, trainer.validate())
 
 
 def test_initialization_hook_ran_in_every_worker(trainer):
@@ -122,23 +142,56 @@ def test_mixed_precision_trains_and_keeps_replicas_identical(use_fp16):
 
 
 def test_two_models_two_optimizers():
+    """The tiny GAN on 2 workers: one epoch equals one process that averages the
+    two replicas' losses, differentiates loss_d for the discriminator and
+    loss_g for the generator, and applies each with its own Adam."""
     with dsgd.Trainer(Gan, num_workers=2) as trainer:
-        before = trainer.get_model()
-        before = [m.get_weights() for m in before]
+        initial = [m.get_weights() for m in trainer.get_model()]
         result = trainer.train()
         after = [m.get_weights() for m in trainer.get_model()]
-        replicas = trainer.sgd.foreach_model(lambda m: m.get_weights())
-    assert result["num_samples"] == 64 and {"loss_d", "loss_g", "train_loss"} <= set(result)
-    for old, new in zip(before, after, strict=True):  # both models were trained
-        assert any(not np.array_equal(x, y) for x, y in zip(old, new, strict=True))
-    for x, y in zip(*replicas, strict=True):
-        np.testing.assert_array_equal(x, y)
+        assert_replicas_identical(trainer)
+    want_d, want_g, losses_d, losses_g = trainer_ops.gan_reference(initial, 1, 2)
+    assert result["num_samples"] == 64 and result["batch_count"] == 4
+    assert result["loss_d"] == pytest.approx(losses_d[0], abs=1e-5)
+    assert result["loss_g"] == pytest.approx(losses_g[0], abs=1e-5)
+    assert result["train_loss"] == pytest.approx(losses_d[0] + losses_g[0], abs=2e-5)
+    for got, want in zip(after, (want_d, want_g), strict=True):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+    for old, new in zip(initial, after, strict=True):  # both models moved (Adam: by ~lr)
+        assert all(np.abs(x - y).max() > 1e-3 for x, y in zip(old, new, strict=True))
+
+
+def creators_model(config):
+    import keras
+
+    return keras.Sequential([trainer_ops.build_model(), keras.layers.Softmax()])
+
+
+def creators_reference(epochs: int, global_batch: int, lr: float):
+    """One process: the creators' model, the loss by name, SGD, batches in order."""
+    import keras
+    import tensorflow as tf
+
+    model, loss_fn = creators_model({}), keras.losses.get("sparse_categorical_crossentropy")
+    optimizer = keras.optimizers.SGD(lr)
+    x, y = trainer_ops.classification(64, 0)
+    losses = []
+    for _ in range(epochs):
+        for start in range(0, 64, global_batch):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(loss_fn(y[start:start + global_batch],
+                                              model(x[start:start + global_batch], training=True)))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            losses.append(float(loss))
+    return model.get_weights(), float(np.mean(losses))
 
 
 def test_from_creators():
-    def model_creator(config):
-        return trainer_ops.build_model()
-
+    """The seed's creator functions (a loss given by name) make the operator;
+    local=True (one worker, in this process: the same driver path) trains it
+    as one process does."""
     def optimizer_creator(model, config):
         import keras
 
@@ -149,10 +202,17 @@ def test_from_creators():
         return dsgd.Dataset(list(zip(x, y))), None
 
     operator = dsgd.TrainingOperator.from_creators(
-        model_creator, optimizer_creator, data_creator, loss_creator=lambda c: "sparse_categorical_crossentropy")
-    with dsgd.Trainer(operator, num_workers=1, config={"lr": 0.1, dsgd.BATCH_SIZE: 16}) as trainer:
+        creators_model, optimizer_creator, data_creator,
+        loss_creator=lambda c: "sparse_categorical_crossentropy")
+    with dsgd.Trainer(operator, num_workers=1, local=True,
+                      config={"lr": 0.1, dsgd.BATCH_SIZE: 16}) as trainer:
         result = trainer.train()
-    assert result["num_samples"] == 64 and np.isfinite(result["train_loss"])
+        weights = trainer.get_model().get_weights()
+    want, loss = creators_reference(1, 16, 0.1)
+    assert result["num_samples"] == 64 and result["batch_count"] == 4
+    assert result["train_loss"] == pytest.approx(loss, abs=1e-5)
+    for got, w in zip(weights, want, strict=True):
+        np.testing.assert_allclose(got, w, rtol=0, atol=1e-5)
 
 
 def test_bad_arguments_fail_before_any_worker():

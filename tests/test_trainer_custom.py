@@ -21,16 +21,33 @@ def assert_weights(got, want, atol=1e-5):
         np.testing.assert_allclose(g, w, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("operator", [CustomEpochClassifier,
-                                      pytest.param(CustomEpochTfData, marks=pytest.mark.slow)],
-                         ids=["dsgd.Dataset", "tf.data"])
-def test_custom_train_epoch_equals_a_single_process_loop(operator):
-    with dsgd.Trainer(operator, num_workers=2, config={dsgd.BATCH_SIZE: 16}) as trainer:
-        results = [trainer.train() for _ in range(2)]
-        val = trainer.validate()
-        per_worker = trainer.validate(reduce_results=False)
-        model = trainer.get_model()
-        replicas = trainer.sgd.foreach_model(lambda m: [w.numpy() for w in m.get_variables()])
+class CustomEpochAndValidate(CustomEpochClassifier):
+    """A custom train_epoch, and a validate override that returns its own loss
+    (CustomEpochClassifier's) beside the default validate's values (compiled
+    validate_batch, registered metrics), over the same batches."""
+
+    def validate(self, iterator, info):
+        batches = list(iterator)
+        default = dsgd.TrainingOperator.validate(self, iter(batches), info)
+        return dict(default, **CustomEpochClassifier.validate(self, iter(batches), info), extra=1.0)
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """One 2-worker Trainer of CustomEpochAndValidate (global batch 16) for this
+    module, and a checkpoint of its initial state."""
+    with dsgd.Trainer(CustomEpochAndValidate, num_workers=2,
+                      config={dsgd.BATCH_SIZE: 16}) as trainer:
+        yield trainer, trainer.save(str(tmp_path_factory.mktemp("initial") / "ckpt"))
+
+
+def check_custom_epochs(trainer, per_worker_validation: bool):
+    """Two custom epochs and a validation, against Keras in one process."""
+    results = [trainer.train() for _ in range(2)]
+    val = trainer.validate()
+    per_worker = trainer.validate(reduce_results=False)
+    model = trainer.get_model()
+    replicas = trainer.sgd.foreach_model(lambda m: [w.numpy() for w in m.get_variables()])
     losses, weights, _, _ = reference(2, 16)
     assert [r["epoch_seen"] for r in results] == [1, 2]
     assert all(r["num_samples"] == 64 and r["batch_count"] == 4 for r in results)
@@ -38,18 +55,39 @@ def test_custom_train_epoch_equals_a_single_process_loop(operator):
     assert_weights(model.get_weights(), weights)
     for replica in replicas[1:]:  # every worker applied the same means
         assert_weights(replica, replicas[0], atol=0)
-    if operator is CustomEpochClassifier:  # each worker validated its share: 15 + 15
+    if per_worker_validation:  # each worker validated its share: 15 + 15
         assert [r["num_samples"] for r in per_worker] == [15, 15]
         assert val["num_samples"] == 30
         assert val["val_loss_custom"] == pytest.approx(trainer_ops.validation_loss(model), abs=1e-5)
 
 
+def test_custom_train_epoch_equals_a_single_process_loop(shared):
+    trainer, initial = shared
+    trainer.load(initial)
+    check_custom_epochs(trainer, per_worker_validation=True)
+
+
+@pytest.mark.slow  # as before: a second construction, for the tf.data shards
+def test_custom_train_epoch_on_tf_data_equals_a_single_process_loop():
+    with dsgd.Trainer(CustomEpochTfData, num_workers=2, config={dsgd.BATCH_SIZE: 16}) as trainer:
+        check_custom_epochs(trainer, per_worker_validation=False)
+
+
 @pytest.mark.slow
-def test_custom_epoch_trains_two_models_identically():
+def test_custom_epoch_trains_two_models_as_one_process():
+    """CustomEpochGan's train_epoch (train_step per batch) gives Gan's weights of
+    one process averaging the two replicas' losses (trainer_ops.gan_reference)."""
     with dsgd.Trainer(CustomEpochGan, num_workers=2) as trainer:
+        initial = [m.get_weights() for m in trainer.get_model()]
         result = trainer.train()
+        after = [m.get_weights() for m in trainer.get_model()]
         replicas = trainer.sgd.foreach_model(lambda m: [w.numpy() for w in m.get_variables()])
+    want_d, want_g, losses_d, losses_g = trainer_ops.gan_reference(initial, 1, 2)
     assert result["batch_count"] == 4 and {"loss_d", "loss_g", "last_loss_d"} <= set(result)
+    assert result["loss_d"] == pytest.approx(losses_d[0], abs=1e-5)
+    assert result["loss_g"] == pytest.approx(losses_g[0], abs=1e-5)
+    assert_weights(after[0], want_d)
+    assert_weights(after[1], want_g)
     assert_weights(replicas[1], replicas[0], atol=0)
 
 
@@ -85,16 +123,18 @@ def test_worker_lost_in_a_custom_epoch_is_replaced_and_the_epoch_rerun(action, t
     assert_weights(weights, want)
 
 
-def test_a_validate_override_can_extend_the_default():
+def test_a_validate_override_can_extend_the_default(shared):
     """The default validate (compiled validate_batch, registered metrics) under an
     override: its averages over samples, weighted over workers, equal the built-in
     validation's."""
-    with dsgd.Trainer(trainer_ops.CustomValidateWithDefault, num_workers=2,
-                      config={dsgd.BATCH_SIZE: 16}) as trainer:
-        trainer.train()
-        custom = trainer.validate()
-        trainer._custom_validate = False  # the built-in path, on the same weights
+    trainer, _ = shared
+    trainer.train()
+    custom = trainer.validate()
+    trainer._custom_validate = False  # the built-in path, on the same weights
+    try:
         builtin = trainer.validate()
+    finally:
+        trainer._custom_validate = True
     assert custom["extra"] == 1.0 and custom["num_samples"] == builtin["num_samples"] == 30
     assert custom["val_loss"] == pytest.approx(builtin["val_loss"], abs=1e-6)
     assert custom["val_accuracy"] == pytest.approx(builtin["val_accuracy"], abs=1e-6)

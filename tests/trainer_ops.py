@@ -335,3 +335,51 @@ class CustomValidateWithDefault(Classifier):
 
     def validate(self, iterator, info):
         return dict(super().validate(iterator, info), extra=1.0)
+
+
+def gan_reference(initial, epochs: int, num_replicas: int, batch: int = 8, first_epoch: int = 1):
+    """`Gan` in one process: from `initial` = (discriminator weights, generator
+    weights), each step the mean over `num_replicas` replicas of each replica's
+    two losses (replica r's real rows are rows [r*batch, (r+1)*batch) of the
+    step's num_replicas*batch; its noise is Gan.train_batch's, seeded by
+    (epoch, batch_idx), the same on every replica), loss_d differentiated for the
+    discriminator and loss_g for the generator, each applied by its Adam. Returns
+    (discriminator weights, generator weights, per-epoch mean loss_d, mean loss_g)."""
+    import keras
+    import tensorflow as tf
+
+    discriminator = keras.Sequential([keras.Input((2,)), keras.layers.Dense(8, activation="relu"),
+                                      keras.layers.Dense(1)])
+    generator = keras.Sequential([keras.Input((3,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(2)])
+    discriminator.set_weights(initial[0])
+    generator.set_weights(initial[1])
+    opt_d, opt_g = keras.optimizers.Adam(1e-2), keras.optimizers.Adam(1e-2)
+    bce = keras.losses.BinaryCrossentropy(from_logits=True)
+    real = np.random.default_rng(0).normal(loc=2.0, size=(64, 2)).astype(np.float32)
+    rows = num_replicas * batch
+    losses_d, losses_g = [], []
+    for epoch in range(first_epoch, first_epoch + epochs):
+        epoch_d, epoch_g = [], []
+        for step in range(len(real) // rows):
+            noise = tf.random.stateless_normal([batch, 3], seed=tf.constant([epoch, step], tf.int64))
+            with tf.GradientTape(persistent=True) as tape:
+                per_d, per_g = [], []
+                for r in range(num_replicas):
+                    x = real[step * rows + r * batch:step * rows + (r + 1) * batch]
+                    fake = generator(noise, training=True)
+                    real_logits = discriminator(x, training=True)
+                    fake_logits = discriminator(fake, training=True)
+                    per_d.append((bce(tf.ones_like(real_logits), real_logits)
+                                  + bce(tf.zeros_like(fake_logits), fake_logits)) / 2)
+                    per_g.append(bce(tf.ones_like(fake_logits), fake_logits))
+                loss_d, loss_g = tf.add_n(per_d) / num_replicas, tf.add_n(per_g) / num_replicas
+            grads_d = tape.gradient(loss_d, discriminator.trainable_variables)
+            grads_g = tape.gradient(loss_g, generator.trainable_variables)
+            opt_d.apply_gradients(zip(grads_d, discriminator.trainable_variables))
+            opt_g.apply_gradients(zip(grads_g, generator.trainable_variables))
+            epoch_d.append(float(loss_d))
+            epoch_g.append(float(loss_g))
+        losses_d.append(float(np.mean(epoch_d)))
+        losses_g.append(float(np.mean(epoch_g)))
+    return discriminator.get_weights(), generator.get_weights(), losses_d, losses_g
