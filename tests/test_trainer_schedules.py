@@ -20,28 +20,43 @@ def assert_weights(got, want, atol=1e-5):
         np.testing.assert_allclose(g, w, rtol=0, atol=atol)
 
 
-def test_per_epoch_callable_is_exact_and_survives_save_load(tmp_path):
-    """f(epoch, lr) at each epoch start, as keras.callbacks.LearningRateScheduler:
-    two epochs, save, a new Trainer loads and trains the third."""
+def halve_after_the_first_epoch(epoch, optimizer):
+    """scheduled_reference's before_epoch for trainer_ops.step_decay."""
+    optimizer.learning_rate = trainer_ops.halve_after_first(
+        epoch, float(optimizer.learning_rate.numpy()))
+
+
+@pytest.fixture(scope="module")
+def per_epoch(tmp_path_factory):
+    """A 2-worker Trainer with trainer_ops.step_decay (per epoch) shared by this
+    module's tests, and a checkpoint of its initial state."""
     config = dict(CONFIG, make_scheduler=trainer_ops.step_decay)
     with dsgd.Trainer(ScheduledClassifier, num_workers=2, config=config) as trainer:
-        first = [trainer.train() for _ in range(2)]
-        path = trainer.save(str(tmp_path / "ckpt"))
-        with pytest.raises(ValueError, match=r"update_scheduler\(\) is for scheduler_step_freq"):
-            trainer.update_scheduler()
-    with dsgd.Trainer(ScheduledClassifier, num_workers=2, config=config) as trainer:
-        trainer.load(path)
-        third = trainer.train()
-        weights = trainer.get_model().get_weights()
+        yield trainer, trainer.save(str(tmp_path_factory.mktemp("initial") / "ckpt"))
 
-    def before_epoch(epoch, optimizer):
-        optimizer.learning_rate = trainer_ops.halve_after_first(
-            epoch, float(optimizer.learning_rate.numpy()))
 
-    want, rates = scheduled_reference(3, 16, before_epoch=before_epoch)
+def test_per_epoch_callable_is_exact_and_survives_save_load(per_epoch, tmp_path):
+    """f(epoch, lr) at each epoch start, as keras.callbacks.LearningRateScheduler:
+    three epochs; then the checkpoint saved after the second, loaded over the
+    third's state, restores the rate and the scheduler's last count, and the
+    third epoch trains again to the same weights."""
+    trainer, initial = per_epoch
+    trainer.load(initial)
+    first = [trainer.train() for _ in range(2)]
+    path = trainer.save(str(tmp_path / "ckpt"))
+    with pytest.raises(ValueError, match=r"update_scheduler\(\) is for scheduler_step_freq"):
+        trainer.update_scheduler()
+    third = trainer.train()
+    weights = trainer.get_model().get_weights()
+    trainer.load(path)
+    assert trainer.epoch == 2 and trainer.learning_rates() == pytest.approx([0.05])
+    again = trainer.train()
+    want, rates = scheduled_reference(3, 16, before_epoch=halve_after_the_first_epoch)
     assert [r["lr"] for r in first + [third]] == pytest.approx(rates)
     assert rates == pytest.approx([0.1, 0.05, 0.025])
+    assert again["lr"] == pytest.approx(0.025)
     assert_weights(weights, want)
+    assert_weights(trainer.get_model().get_weights(), want)
 
 
 def test_per_batch_schedule_matches_a_keras_optimizer_with_it():
@@ -137,12 +152,13 @@ def test_scheduler_errors_name_the_argument():
         dsgd.Trainer(ScheduledClassifier, num_workers=2, local=True)
     config = dict(CONFIG, make_scheduler=lambda: "not a scheduler")
     with pytest.raises(TypeError, match=r"schedulers\[0\] must be a keras"):
-        dsgd.Trainer(ScheduledClassifier, num_workers=1, config=config)
+        dsgd.Trainer(ScheduledClassifier, num_workers=1, config=config, local=True)
 
 
-def test_local_mode_trains_the_weights_of_one_worker_actor(tmp_path):
+def test_local_mode_trains_the_weights_of_worker_actors(per_epoch, tmp_path):
     """The operator in this process (eager steps, a debugger stops here) gives the
-    weights, results, schedulers and checkpoints of one worker actor."""
+    weights, results, schedulers and checkpoints of worker actors (the module's
+    2-worker Trainer, global batch 16 either way)."""
     import os
 
     config = dict(CONFIG, make_scheduler=trainer_ops.step_decay)
@@ -153,13 +169,14 @@ def test_local_mode_trains_the_weights_of_one_worker_actor(tmp_path):
         local_val = trainer.validate()
         local_weights = trainer.get_model().get_weights()
         path = trainer.save(str(tmp_path / "local"))
-    with dsgd.Trainer(ScheduledClassifier, num_workers=1, config=config) as trainer:
-        assert trainer.sgd.for_model(lambda m: os.getpid()) != os.getpid()
-        remote = [trainer.train() for _ in range(2)]
-        remote_val = trainer.validate()
-        remote_weights = trainer.get_model().get_weights()
-        trainer.load(path)  # a local checkpoint loads in a worker actor
-        assert_weights(trainer.get_model().get_weights(), local_weights, atol=0)
+    trainer, initial = per_epoch
+    trainer.load(initial)
+    assert trainer.sgd.for_model(lambda m: os.getpid()) != os.getpid()
+    remote = [trainer.train() for _ in range(2)]
+    remote_val = trainer.validate()
+    remote_weights = trainer.get_model().get_weights()
+    trainer.load(path)  # a local checkpoint loads in worker actors
+    assert_weights(trainer.get_model().get_weights(), local_weights, atol=0)
     assert_weights(local_weights, remote_weights, atol=1e-6)
     for a, b in zip(local, remote):
         assert a["lr"] == b["lr"] and a["num_samples"] == b["num_samples"] == 64
