@@ -1,6 +1,9 @@
-"""dsgd.Dataset over a ray.data.Dataset: Ray Data's streaming_split and
-iter_batches feed the workers. (Its own module: Ray Data's tasks need CPUs
-that test_data.py's long-lived workers would hold.)"""
+"""dsgd.Dataset over a ray.data.Dataset, the longer cases (`slow`): Ray Data's
+streaming_split and iter_batches train a model to its closed-form result, a
+worker killed mid-epoch restarts the split, one worker reads on into the next
+epoch. Each starts its own workers, so that Ray Data's tasks find the CPUs
+free. (Ray Data's exact epoch in the default run: test_data.py, on its shared
+instance, which leaves 2 of the 4 CPUs to Ray Data as these do.)"""
 
 import numpy as np
 import pytest
@@ -11,15 +14,6 @@ from counting import N, Counter, counts, reset
 from trainer_ops import Misbehave
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
-
-
-def test_ray_data_one_epoch_covers_every_row_once():
-    ds = ray.data.range(N).map_batches(lambda b: {"x": np.eye(N, dtype=np.float32)[b["id"]]})
-    with dsgd.DistributedSGD(Counter, 2, 2, gpu=False) as sgd:
-        reset(sgd)
-        summary = sgd.train(dataset=dsgd.Dataset(ds, batch_size=4))
-        assert summary["steps"] == 6 and summary["epoch_ended"] and summary["num_samples"] == N
-        np.testing.assert_array_equal(counts(sgd), np.ones(N, int))
 
 
 class Linear(dsgd.Model):
