@@ -2,7 +2,9 @@
 tests/test_horovod.py through `python -m dsgd.train.run -np 2`: every name of
 Horovod's TF2 API, eagerly and inside `tf.function`; each rank saves what it
 got to <out>/rank<r>.npz for the test to check by hand and against one
-process. Usage: hvd_collectives.py OUT_DIR STEPS BATCH"""
+process. Usage: hvd_collectives.py OUT_DIR STEPS BATCH [--then-rank-1-fails]: with
+the flag, once both ranks have saved, rank 1 raises (the launcher's failure path,
+checked by the same launch)."""
 
 import os
 import sys
@@ -135,3 +137,8 @@ saved["fit_raw_loss"] = np.array(raw_logs)
 for k, w in enumerate(model.get_weights()):
     saved[f"fit_{k}"] = w
 np.savez(os.path.join(out, f"rank{r}.npz"), **saved)
+
+if sys.argv[4:] == ["--then-rank-1-fails"]:
+    hvd.allgather_object(r)  # both ranks saved before either ends
+    if r == 1:
+        raise ValueError("rank 1 fails on purpose")

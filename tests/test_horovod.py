@@ -4,6 +4,8 @@ by `dsgd.train.run` on 2 Ray Train workers, every collective eagerly and in a
 inside the step) and Keras fit with the callbacks exact against one process;
 a failing rank fails the launch with its traceback; errors outside a run."""
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -23,13 +25,23 @@ STEPS, BATCH = 3, 4
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory, ray_local):
+def launch(tmp_path_factory, ray_local):
+    """One launch of hvd_collectives.py on 2 ranks (each a Ray Train worker that
+    imports TensorFlow: the launch is most of this module's time), whose rank 1
+    raises once both ranks have saved what they got: (exit status, the
+    launcher's stderr, each rank's saved arrays)."""
     out = tmp_path_factory.mktemp("hvd")
-    status = launcher.main(["-np", "2", "--storage-path", str(out / "runs"),
-                            os.path.join(HERE, "hvd_collectives.py"), str(out), str(STEPS),
-                            str(BATCH)])
-    assert status == 0
-    return [dict(np.load(out / f"rank{r}.npz")) for r in range(2)]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = launcher.main(["-np", "2", "--storage-path", str(out / "runs"),
+                                os.path.join(HERE, "hvd_collectives.py"), str(out), str(STEPS),
+                                str(BATCH), "--then-rank-1-fails"])
+    return status, err.getvalue(), [dict(np.load(out / f"rank{r}.npz")) for r in range(2)]
+
+
+@pytest.fixture
+def ranks(launch):
+    return launch[2]
 
 
 def x_of(r):
@@ -147,15 +159,46 @@ def test_keras_fit_with_the_callbacks(ranks):
         np.testing.assert_allclose(got["fit_rates"], want, rtol=1e-6)
 
 
-def test_a_failing_rank_fails_the_launch_with_its_traceback(tmp_path, capsys, ray_local):
-    script = tmp_path / "fails.py"
-    script.write_text("import dsgd.train as hvd\nhvd.init()\n"
-                      "if hvd.rank() == 1:\n    raise ValueError('rank 1 fails on purpose')\n")
-    status = launcher.main(["-np", "2", "--timeout", "20", "--storage-path",
-                            str(tmp_path / "runs"), str(script)])
+def test_a_failing_rank_fails_the_launch_with_its_traceback(launch):
+    status, err, _ = launch
     assert status == 1
-    err = capsys.readouterr().err
-    assert "fails.py failed" in err and "ValueError: rank 1 fails on purpose" in err
+    assert "hvd_collectives.py failed" in err and "ValueError: rank 1 fails on purpose" in err
+
+
+class FakeTrainer:
+    """Stands in for DsgdTrainer: fit() runs the launcher's loop (run_script) once,
+    in this process, and reports no error."""
+
+    made: list = []
+
+    def __init__(self, loop, train_loop_config, **kwargs):
+        self.loop, self.config, self.kwargs = loop, train_loop_config, kwargs
+        FakeTrainer.made.append(self)
+
+    def fit(self):
+        from types import SimpleNamespace
+
+        self.loop(self.config)
+        return SimpleNamespace(error=None)
+
+
+def test_a_script_that_finishes_is_status_0(tmp_path, monkeypatch, ray_local):
+    """The launcher's own path without a Ray Train run: the script runs as
+    __main__ with its arguments (a leading `python` skipped); it finishing is
+    exit status 0, a non-zero sys.exit is 1."""
+    monkeypatch.setattr(hvd, "DsgdTrainer", FakeTrainer)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    script = tmp_path / "ok.py"
+    script.write_text("import sys\nassert __name__ == '__main__'\n"
+                      "open(sys.argv[1], 'w').write(' '.join(sys.argv[2:]))\n")
+    done = tmp_path / "done.txt"
+    assert launcher.main(["-np", "2", "python", str(script), str(done), "--flag", "1"]) == 0
+    assert done.read_text() == "--flag 1"
+    made = FakeTrainer.made[-1]
+    assert made.kwargs["scaling_config"].num_workers == 2
+    script.write_text("import sys\nsys.exit(3)\n")
+    assert launcher.main(["-np", "2", str(script)]) == 1
 
 
 def test_launcher_argument_errors(tmp_path, capsys):
