@@ -2,7 +2,10 @@
 shards, ranks, exact DistributedGradientTape and DistributedOptimizer +
 model.fit, the Result, a SIGKILL restart, and no PS actor left behind."""
 
+import itertools
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -128,22 +131,43 @@ def test_a_missing_rank_times_out_naming_it():
     ray.kill(ps)
 
 
-@ray.remote(num_cpus=0)
-def exchange_as_rank(rank, ps, names, compression, arrays):
-    """`exchange.mean` as Ray Train worker `rank` of 2 would call it (the rank
-    comes from here instead of a Ray Train context; PS actors and store are real)."""
+@pytest.fixture(scope="module")
+def two_ps():
+    """2 PS actors for the exchange tests, and the next exchange number of each
+    rank (exchanges go on numbering across tests, as steps of one run do)."""
+    ps = [rendezvous_ps(j, 30.0) for j in range(2)]
+    yield ps, ["ps-a", "ps-b"], [itertools.count(), itertools.count()]
+    for handle in ps:
+        ray.kill(handle)
+
+
+def exchange_as_two_ranks(two_ps, compression, per_rank, monkeypatch):
+    """`exchange.mean` as Ray Train workers 0 and 1 of 2 would call it, each rank
+    a thread of this process (its rank and exchange numbers thread-local; the PS
+    actors, their rendezvous and the object store are real): a rank's process
+    would only add a TensorFlow import (~10 s on 2 cores)."""
     from dsgd.train import exchange
 
+    ps, names, sequences = two_ps
+    local = threading.local()
     exchange.install(ps, names, 64, 30.0, compression)
-    world, exchange.world = exchange.world, lambda: (rank, 2)
+    monkeypatch.setattr(exchange, "world", lambda: (local.rank, 2))
+    monkeypatch.setattr(exchange, "next_sequence", lambda: next(sequences[local.rank]))
+
+    def rank(r):
+        local.rank = r
+        return exchange.mean(per_rank[r])
+
     try:
-        return exchange.mean(arrays)
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(rank, range(2), timeout=120))
     finally:
-        exchange.world = world
+        exchange._CONTEXT.clear()  # this process is no Ray Train worker
 
 
 @pytest.mark.parametrize("compression", [None, "fp16", "bf16"])
-def test_the_exchange_is_the_engines_plan_groups_and_compression(compression):
+def test_the_exchange_is_the_engines_plan_groups_and_compression(compression, two_ps,
+                                                                  monkeypatch):
     """Mean of two ranks' arrays through 2 PS actors in 64-byte shards (so a
     variable is split and the groups span both PS), compressed as asked."""
     import ml_dtypes
@@ -151,9 +175,7 @@ def test_the_exchange_is_the_engines_plan_groups_and_compression(compression):
     rng = np.random.default_rng(0)
     shapes = [(3, 5), (40,), (2,)]
     per_rank = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in range(2)]
-    ps, names = [rendezvous_ps(j, 30.0) for j in range(2)], ["ps-a", "ps-b"]
-    got = ray.get([exchange_as_rank.remote(r, ps, names, compression, per_rank[r])
-                   for r in range(2)], timeout=120)
+    got = exchange_as_two_ranks(two_ps, compression, per_rank, monkeypatch)
     wire = {None: np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}[compression]
     for a, b, mean0, mean1 in zip(*per_rank, *got, strict=True):
         # Each rank's values rounded to the wire type, summed in float32, the mean rounded once.
@@ -162,8 +184,6 @@ def test_the_exchange_is_the_engines_plan_groups_and_compression(compression):
         np.testing.assert_array_equal(mean0, want)
         np.testing.assert_array_equal(mean1, mean0)
         assert mean0.dtype == np.float32
-    for handle in ps:
-        ray.kill(handle)
 
 
 def test_config_errors():
