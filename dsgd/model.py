@@ -98,16 +98,18 @@ class Model:
 
         Raises:
             ValueError: wrong number of arrays, or an array whose shape is not
-                its variable's (nothing is assigned from that array on).
+                its variable's (then nothing is assigned: a replica that took
+                some arrays would differ from the others).
         """
         variables = self.get_variables()
         if len(weights) != len(variables):
             raise ValueError(f"set_weights: got {len(weights)} arrays for {len(variables)} variables")
-        for i, (v, w) in enumerate(zip(variables, weights)):
-            w = np.asarray(w)
+        arrays = [np.asarray(w) for w in weights]
+        for i, (v, w) in enumerate(zip(variables, arrays)):
             if tuple(w.shape) != tuple(v.shape):
                 raise ValueError(f"set_weights: array {i} has shape {tuple(w.shape)} but variable "
                                  f"{i} ({_name(v)}) has shape {tuple(v.shape)}")
+        for v, w in zip(variables, arrays):
             v.assign(w.astype(_np_dtype(v), copy=False))
 
 
