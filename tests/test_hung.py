@@ -9,12 +9,14 @@ that copies a survivor's state."""
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import ray
 
 import dsgd
+from helpers import actors_gone, assert_replicas_identical, dsgd_actor_names
 import tiny
 import trainer_ops
 
@@ -53,13 +55,145 @@ def make(**kwargs):
                                max_failures=50, **kwargs)
 
 
-def assert_replicas_equal(sgd):
-    first, *rest = sgd.foreach_model(lambda m: m.get_weights())
-    for other in rest:
-        for a, b in zip(first, other, strict=True):
-            np.testing.assert_array_equal(a, b)
+def last_failure(sgd, before):
+    assert len(sgd.failures) == before + 1, sgd.failures
+    return sgd.failures[-1]
 
 
+def assert_weights(weights, expected):
+    for got, want in zip(weights, expected, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# -- one Trainer takes every hang in turn ------------------------------------------------------
+@pytest.fixture(scope="class")
+def shared_trainer(tmp_path_factory):
+    """TestOneTrainer's Trainer (trainer_ops.Classifier, 2 workers, 4 steps an epoch,
+    replace_hung as every Trainer) and its initial checkpoint."""
+    with dsgd.Trainer(trainer_ops.Classifier, num_workers=2, config={dsgd.BATCH_SIZE: 16},
+                      step_timeout_s=TIMEOUT_S, max_failures=50) as trainer:
+        yield SimpleNamespace(trainer=trainer, initial=trainer.save(
+            str(tmp_path_factory.mktemp("hung") / "initial")))
+
+
+def fresh(shared):
+    """The shared Trainer at epoch 0 (its initial checkpoint loaded), and the number
+    of failures it has recorded so far (they count over its life)."""
+    shared.trainer.load(shared.initial)
+    assert shared.trainer.epoch == 0 and shared.trainer.sgd.steps_done == 0
+    return shared.trainer, len(shared.trainer.sgd.failures)
+
+
+class TestOneTrainer:
+    """The hangs that a Trainer of the same configuration can take one after the
+    other: each test starts from the initial checkpoint, the replacements stay.
+    Its instance is shut down (the last test checks that nothing of it is left)
+    before the module's other instances start."""
+
+    def test_trainer_worker_hung_between_epochs_completes_the_epoch_with_a_new_worker(
+            self, shared_trainer):
+        """The issue's case: a worker SIGSTOPped between two epochs; the next train()
+        replaces it in the epoch's setup call and trains the whole epoch, exactly."""
+        trainer, before = fresh(shared_trainer)
+        trainer.train()
+        pid = trainer.sgd.worker_info[1]["pid"]
+        stop(pid)
+        try:
+            result = trainer.train()
+        finally:
+            reap(pid)
+        assert result["epoch"] == 2 and result["num_samples"] == 64
+        failure = last_failure(trainer.sgd, before)
+        assert failure["call"] == "foreach_worker" and "worker(s) 1 died" in failure["reason"]
+        assert trainer.sgd.worker_info[1]["pid"] != pid
+        assert_replicas_identical(trainer)
+        assert_weights(trainer.get_model().get_weights(), trainer_ops.reference(2, 16)[1])
+
+    def test_hung_ps_in_a_step_is_replaced_like_a_dead_one(self, shared_trainer):
+        """The PS SIGSTOPped between epochs: the next epoch's first step times out
+        waiting for it; it is killed, replaced, and the step retried."""
+        trainer, before = fresh(shared_trainer)
+        sgd = trainer.sgd
+        trainer.train()
+        pid = ray.get(sgd.ps_actors[0].ping.remote(), timeout=60)["pid"]
+        stop(pid)
+        try:
+            trainer.train()
+        finally:
+            reap(pid)
+        failure = last_failure(sgd, before)
+        assert sgd.steps_done == 8 and "call" not in failure and failure["step"] == 5
+        assert failure["error"] == "StepTimeoutError" and "PS actor(s) 0 died" in failure["reason"]
+        assert ray.get(sgd.ps_actors[0].ping.remote(), timeout=60)["pid"] != pid
+        assert_replicas_identical(trainer)
+        assert_weights(trainer.get_model().get_weights(), trainer_ops.reference(2, 16)[1])
+
+    def test_driver_time_between_steps_is_not_the_next_steps(self, shared_trainer, monkeypatch):
+        """Step 2 was submitted ahead of step 1's count; the driver then spends longer
+        than step_timeout_s before it waits for it (here: counting step 1; in CI's
+        chaos run: replacing a PS). That time is the driver's: the step is not
+        called hung, no worker is killed (replace_hung), and the weights are
+        those of one process."""
+        from dsgd.engine.loop import StepLoop
+
+        trainer, before = fresh(shared_trainer)
+        count = StepLoop._count
+        slept = []
+
+        def slow_count(self, result, entry):
+            error = count(self, result, entry)
+            if self.progress.steps_done == 1:
+                slept.append(True)
+                time.sleep(TIMEOUT_S + 1)
+            return error
+
+        monkeypatch.setattr(StepLoop, "_count", slow_count)
+        trainer.train()
+        trainer.train()
+        assert slept and trainer.sgd.failures[before:] == [] and trainer.sgd.steps_done == 8
+        assert_replicas_identical(trainer)
+        assert_weights(trainer.get_model().get_weights(), trainer_ops.reference(2, 16)[1])
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("call", ["validate", "save", "load", "get_model"])
+    def test_trainer_calls_survive_a_lost_worker(self, shared_trainer, call, tmp_path):
+        """A hung worker (SIGSTOP); in validate() a dead one (SIGKILL): validation
+        allows VALIDATION_TIMEOUT_STEPS step timeouts before a hang is called one
+        (a minute here), the same replacement follows."""
+        trainer, before = fresh(shared_trainer)
+        trainer.train()
+        path = trainer.save(str(tmp_path / "epoch1")) if call == "load" else None
+        pid = trainer.sgd.worker_info[0]["pid"]
+        (kill if call == "validate" else stop)(pid)
+        try:
+            if call == "validate":
+                assert trainer.validate()["num_samples"] == 30
+            elif call == "save":
+                trainer.save(str(tmp_path / "saved"))
+                trainer.load(str(tmp_path / "saved"))
+            elif call == "load":
+                trainer.load(path)
+                assert trainer.epoch == 1
+            else:
+                assert len(trainer.get_model().get_weights()) == 4
+        finally:
+            reap(pid)
+        assert len(trainer.sgd.failures) == before + 1
+        assert trainer.sgd.worker_info[0]["pid"] != pid
+        assert trainer.train()["num_samples"] == 64
+        assert_replicas_identical(trainer)
+        if call == "save":  # the checkpoint written across the replacement loads
+            trainer.load(str(tmp_path / "saved"))
+
+    def test_shutdown_leaves_no_actor_of_the_trainer_or_its_replacements(self, shared_trainer):
+        # The last test of the class: it shuts the shared Trainer down.
+        sgd = shared_trainer.trainer.sgd
+        assert dsgd_actor_names(instance_id=sgd.instance_id)
+        shared_trainer.trainer.shutdown()
+        assert actors_gone(sgd.instance_id) == set()
+
+
+# -- the engine: one instance of make() for the driver's calls (`slow`) --------------------------
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
     """The module's instance, its initial checkpoint, and StepKeyedModel's weights
@@ -84,11 +218,6 @@ def uninterrupted(keyed):
     return keyed[2]
 
 
-def last_failure(sgd, before):
-    assert len(sgd.failures) == before + 1, sgd.failures
-    return sgd.failures[-1]
-
-
 @pytest.mark.slow  # long: CI runs it (.ci/run)
 def test_hung_worker_in_get_weights_is_replaced_and_the_call_answers(shared, uninterrupted):
     sgd = shared
@@ -108,7 +237,7 @@ def test_hung_worker_in_get_weights_is_replaced_and_the_call_answers(shared, uni
     sgd.step()  # the new worker 0 steps with the others, on the same data
     for got, want in zip(sgd.get_weights(), uninterrupted[1], strict=True):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    assert_replicas_equal(sgd)
+    assert_replicas_identical(sgd)
 
 
 @pytest.mark.slow  # long: CI runs it (.ci/run)
@@ -120,80 +249,8 @@ def test_dead_worker_in_set_weights_is_replaced_and_every_replica_set(shared):
     sgd.set_weights(new)
     failure = last_failure(sgd, before)
     assert failure["call"] == "set_weights" and "worker(s) 1 died" in failure["reason"]
-    for replica in sgd.foreach_model(lambda m: m.get_weights()):
-        for got, want in zip(replica, new, strict=True):
-            np.testing.assert_array_equal(got, want)
-
-
-def test_hung_ps_in_a_step_is_replaced_like_a_dead_one(keyed):
-    sgd, initial, uninterrupted = keyed
-    sgd.restore_checkpoint(initial)
-    before = len(sgd.failures)
-    sgd.step()
-    pid = ray.get(sgd.ps_actors[1].ping.remote(), timeout=60)["pid"]
-    stop(pid)
-    try:
-        for _ in range(3):
-            sgd.step()
-    finally:
-        reap(pid)
-    failure = last_failure(sgd, before)
-    assert sgd.steps_done == 4 and "call" not in failure
-    assert failure["error"] == "StepTimeoutError" and "PS actor(s) 1 died" in failure["reason"]
-    assert ray.get(sgd.ps_actors[1].ping.remote(), timeout=60)["pid"] != pid
-    for got, want in zip(sgd.get_weights(), uninterrupted[3], strict=True):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    assert_replicas_equal(sgd)
-
-
-def test_driver_time_between_steps_is_not_the_next_steps(keyed, monkeypatch):
-    """The step after step 2 was submitted ahead; the driver then spends longer than
-    step_timeout_s before it waits for it (here: counting step 2; in CI's chaos run:
-    replacing a PS). That time is the driver's: the step is not called hung, no
-    worker is killed (replace_hung), and the weights are the uninterrupted ones."""
-    from dsgd.engine.loop import StepLoop
-
-    sgd, initial, uninterrupted = keyed
-    sgd.restore_checkpoint(initial)
-    before = len(sgd.failures)
-    count = StepLoop._count
-
-    def slow_count(self, result, entry):
-        error = count(self, result, entry)
-        if self.progress.steps_done == 2:
-            time.sleep(TIMEOUT_S + 1)
-        return error
-
-    monkeypatch.setattr(StepLoop, "_count", slow_count)
-    sgd.train(4)
-    assert sgd.failures[before:] == [] and sgd.steps_done == 4
-    for got, want in zip(sgd.get_weights(), uninterrupted[3], strict=True):
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
-    assert_replicas_equal(sgd)
-
-
-def test_trainer_worker_hung_between_epochs_completes_the_epoch_with_a_new_worker():
-    """The issue's case: a worker SIGSTOPped between two epochs; the next train()
-    replaces it in the epoch's setup call and trains the whole epoch, exactly."""
-    config = {dsgd.BATCH_SIZE: 16}
-    with dsgd.Trainer(trainer_ops.Classifier, num_workers=2, config=config,
-                      step_timeout_s=TIMEOUT_S) as trainer:
-        trainer.train()
-        pid = trainer.sgd.worker_info[1]["pid"]
-        stop(pid)
-        try:
-            result = trainer.train()
-        finally:
-            reap(pid)
-        assert result["epoch"] == 2 and result["num_samples"] == 64
-        assert len(trainer.sgd.failures) == 1
-        assert trainer.sgd.failures[0]["call"] == "foreach_worker"
-        assert trainer.sgd.worker_info[1]["pid"] != pid
-        weights = trainer.get_model().get_weights()
-        assert_replicas_equal(trainer.sgd)
-    _, want, _, _ = trainer_ops.reference(2, 16)
-    for got, expected in zip(weights, want, strict=True):
-        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(assert_replicas_identical(sgd), new, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 # Each call of the driver, one at a time (a worker start each, ~8 s): `slow`.
@@ -221,7 +278,7 @@ def test_each_driver_call_survives_a_lost_worker(shared, call, signal_, tmp_path
         reap(pid)
     failure = sgd.failures[before]
     assert failure["call"] == call and "worker(s) 0 died" in failure["reason"]
-    assert_replicas_equal(sgd)
+    assert_replicas_identical(sgd)
 
 
 @pytest.mark.slow
@@ -237,9 +294,8 @@ def test_restore_checkpoint_with_a_hung_worker_restores_every_replica(shared, tm
     finally:
         reap(pid)
     assert sgd.steps_done == steps and sgd.failures[-1]["call"] == "restore_checkpoint"
-    for replica in sgd.foreach_model(lambda m: m.get_weights()):
-        for got, want in zip(replica, saved, strict=True):
-            np.testing.assert_array_equal(got, want)
+    for got, want in zip(assert_replicas_identical(sgd), saved, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.slow
@@ -255,53 +311,7 @@ def test_hung_ps_in_ps_info_is_replaced(shared):
         sgd.failures[-1]["reason"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("call", ["validate", "save", "load", "get_model"])
-def test_trainer_calls_survive_a_lost_worker(call, tmp_path):
-    """A hung worker (SIGSTOP); in validate() a dead one (SIGKILL): validation
-    allows VALIDATION_TIMEOUT_STEPS step timeouts before a hang is called one
-    (a minute here), the same replacement follows."""
-    with dsgd.Trainer(trainer_ops.Classifier, num_workers=2, config={dsgd.BATCH_SIZE: 16},
-                      step_timeout_s=TIMEOUT_S) as trainer:
-        trainer.train()
-        path = trainer.save(str(tmp_path / "epoch1")) if call == "load" else None
-        pid = trainer.sgd.worker_info[0]["pid"]
-        (kill if call == "validate" else stop)(pid)
-        try:
-            if call == "validate":
-                assert trainer.validate()["num_samples"] == 30
-            elif call == "save":
-                trainer.save(str(tmp_path / "saved"))
-                trainer.load(str(tmp_path / "saved"))
-            elif call == "load":
-                trainer.load(path)
-                assert trainer.epoch == 1
-            else:
-                assert len(trainer.get_model().get_weights()) == 4
-        finally:
-            reap(pid)
-        assert len(trainer.sgd.failures) == 1 and trainer.sgd.worker_info[0]["pid"] != pid
-        assert trainer.train()["num_samples"] == 64
-        assert_replicas_equal(trainer.sgd)
-        if call == "save":  # the checkpoint written across the replacement loads
-            trainer.load(str(tmp_path / "saved"))
-    assert instance_actors(trainer.sgd.instance_id) == []  # the replacement too
-
-
 # -- no data loss at the edges ------------------------------------------------------------------
-def instance_actors(instance_id: str, timeout_s: float = 15.0) -> list[str]:
-    """Live named actors of one instance, after giving killed ones time to go."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        names = [n for n in ray.util.list_named_actors() if n.endswith(instance_id)
-                 or f"-{instance_id}-r" in n]
-        if not names or time.monotonic() > deadline:
-            return names
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_shutdown_while_a_step_is_in_flight_raises_and_leaves_no_actor(tmp_path):
     import threading
@@ -316,7 +326,7 @@ def test_shutdown_while_a_step_is_in_flight_raises_and_leaves_no_actor(tmp_path)
     with pytest.raises(dsgd.DsgdError, match="shut down"):
         sgd.train(10**6)
     timer.join()
-    assert instance_actors(sgd.instance_id) == []
+    assert actors_gone(sgd.instance_id) == set()
     files, meta = checkpoints.read(path)  # complete: sizes and checksums verified
     assert meta["step"] == 0 and files
     with pytest.raises(dsgd.DsgdError, match="shut down"):
@@ -350,7 +360,7 @@ def test_shutdown_during_a_replacement_leaves_no_actor(tmp_path):
     with pytest.raises(dsgd.DsgdError, match="shut down"):
         sgd.step()
     timer.join()
-    assert instance_actors(sgd.instance_id) == []
+    assert actors_gone(sgd.instance_id) == set()
 
 
 @pytest.mark.slow
@@ -368,6 +378,5 @@ def test_checkpoint_written_while_a_worker_is_replaced_is_complete(shared, tmp_p
         reap(pid)
     sgd.step()
     sgd.restore_checkpoint(path)
-    for replica in sgd.foreach_model(lambda m: m.get_weights()):
-        for got, expected in zip(replica, want, strict=True):
-            np.testing.assert_array_equal(got, expected)
+    for got, expected in zip(assert_replicas_identical(sgd), want, strict=True):
+        np.testing.assert_array_equal(got, expected)
