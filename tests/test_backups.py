@@ -16,6 +16,7 @@ import pytest
 
 import dsgd
 import counting
+from helpers import assert_replicas_identical
 import tiny
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
@@ -85,14 +86,6 @@ def replay(contributor_sets: list[list[int]], optimizer="sgdm", devices: int = 1
     return [v.numpy() for v in model.trainable_variables]
 
 
-def assert_identical_replicas(sgd):
-    replicas = sgd.foreach_model(lambda m: m.get_weights())
-    for weights in replicas[1:]:
-        for a, b in zip(replicas[0], weights):
-            np.testing.assert_array_equal(a, b)
-    return replicas[0]
-
-
 @pytest.mark.parametrize("bad", [-1, 3, 4, 1.0, True, "1", None])
 def test_bad_backup_workers_raise_before_any_actor(bad):
     with pytest.raises(ValueError, match=r"backup_workers must be an int with 0 <= "
@@ -110,7 +103,7 @@ def straggler_run():
     """3 workers, backup_workers=1, worker 2 pausing SLOW_S in every batch, 10 steps."""
     with make(straggler_creator()) as sgd:
         stats = [sgd.step(fetch_stats=True) for _ in range(10)]
-        weights = assert_identical_replicas(sgd)
+        weights = assert_replicas_identical(sgd)
         applies_per_group = sgd.applies_per_group
     return stats, weights, applies_per_group
 
@@ -186,7 +179,7 @@ def test_simple_strategy_and_whole_step_apply_replay_exactly(options):
     optimizer = options.pop("optimizer", "sgdm")
     with make(straggler_creator(slow_s=0.6, optimizer=optimizer), **options) as sgd:
         stats = [sgd.step(fetch_stats=True) for _ in range(6)]
-        weights = assert_identical_replicas(sgd)
+        weights = assert_replicas_identical(sgd)
     assert all(len(s["contributors"]) == 2 for s in stats)
     for a, b in zip(weights, replay([s["contributors"] for s in stats], optimizer)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
@@ -196,7 +189,7 @@ def test_simple_strategy_and_whole_step_apply_replay_exactly(options):
 def test_compression_keeps_replicas_identical():
     with make(straggler_creator(slow_s=0.6), compression="bf16") as sgd:
         summary = sgd.train(6)
-        assert_identical_replicas(sgd)
+        assert_replicas_identical(sgd)
     # Each step averages 2 workers; worker 2 sits out the steps it fell behind on
     # (get_batch: no batch drawn). A batch it computed is dropped, counted once its
     # report arrives (the one in flight when train() returns: by the next call).
@@ -252,7 +245,7 @@ def test_ray_data_ingest_with_a_straggler_over_two_epochs():
         first = sgd.train(dataset=data)
         counts = np.round(-2 * sgd.get_weights()[0]).astype(int)
         second = sgd.train(dataset=data)
-        assert_identical_replicas(sgd)
+        assert_replicas_identical(sgd)
     for summary in (first, second):
         assert summary["epoch_ended"] and summary["steps"] == counting.N // 12
         assert summary["dropped_batches"] == summary["steps"]
@@ -300,7 +293,7 @@ def test_a_worker_killed_mid_run_costs_no_step_a_wait_for_its_replacement(tmp_pa
             stats.append(sgd.step(fetch_stats=True))
             if 2 in stats[-1]["contributors"]:
                 break
-        weights = assert_identical_replicas(sgd)
+        weights = assert_replicas_identical(sgd)
         failure = sgd.failures[0]
     assert os.path.exists(marker)
     assert 2 in stats[-1]["contributors"]
@@ -353,7 +346,7 @@ def test_devices_per_worker_contribute_all_replicas_or_none_and_elastic():
                              elastic=True, grad_shard_bytes=128, num_ps=2,
                              step_timeout_s=60) as sgd:
         stats = [sgd.step(fetch_stats=True) for _ in range(6)]
-        weights = assert_identical_replicas(sgd)
+        weights = assert_replicas_identical(sgd)
     assert all(len(s["contributors"]) == 1 for s in stats)
     assert sum(s["contributors"] == [0] for s in stats) >= 5
     for a, b in zip(weights, replay([s["contributors"] for s in stats], devices=2)):
@@ -385,7 +378,7 @@ def test_a_worker_late_past_the_step_timeout_is_replaced_in_the_background(tmp_p
         while not sgd.failures and time.monotonic() < deadline:
             stats.append(sgd.step(fetch_stats=True))
         assert sgd.failures and "replaced in the background" in sgd.failures[0]["reason"]
-        assert_identical_replicas(sgd)
+        assert_replicas_identical(sgd)
     assert os.path.exists(marker)
     # Nothing waited for the hung worker: the steps went on at their own pace.
     assert max(s["step_s"] for s in stats[3:]) < 2.0
