@@ -9,6 +9,7 @@ import ray
 
 import dsgd
 import tiny
+from helpers import Reset, dsgd_actor_names
 from dsgd.engine.resources import check_store
 from dsgd.engine.launch import check_signatures
 from dsgd.worker.replicas import Replicas
@@ -46,10 +47,10 @@ def test_bad_arguments_fail_before_ray_starts(change, error, message):
 @pytest.mark.usefixtures("ray_local")
 class TestOnCluster:
     def test_gpus_that_do_not_exist_fail_fast(self):
-        before = worker_actors()
+        before = dsgd_actor_names()
         with pytest.raises(dsgd.ResourceError, match=r"2 GPU.*cluster has .* 0 GPU.*gpu=False"):
             dsgd.DistributedSGD(tiny.creator(2, 4), 1, 2, gpu=True)
-        assert worker_actors() == before  # refused before any worker was started
+        assert dsgd_actor_names() == before  # refused before any worker was started
 
     def test_too_many_workers_fail_fast(self):
         with pytest.raises(dsgd.ResourceError, match=r"asked for 64 worker\(s\).*fits only 4"):
@@ -60,7 +61,7 @@ class TestOnCluster:
             raise KeyError("no such dataset: imagenet-22k")
 
         with pytest.raises(KeyError, match="no such dataset: imagenet-22k") as info:
-            dsgd.DistributedSGD(exploding_creator, 2, 1, gpu=False)
+            dsgd.DistributedSGD(exploding_creator, 1, 1, gpu=False)
         assert "exploding_creator" in str(info.value)
 
 
@@ -86,11 +87,18 @@ def test_replicas_with_different_shapes_in_one_worker():
 
 
 def test_workers_with_different_shapes():
-    infos = [build_replicas(lambda w, d: tiny.TinyModel(w, d, 1, 4), 1),
-             build_replicas(WideReplica, 1, worker_index=1)]
+    def tiny_model(w, d):
+        return tiny.TinyModel(w, d, 1, 4)
+
+    infos = [build_replicas(tiny_model, 1), build_replicas(WideReplica, 1, worker_index=1)]
     with pytest.raises(dsgd.ModelMismatchError, match=r"worker 1's replicas .* variable 0"):
         check_signatures(infos)
-    check_signatures([infos[0], infos[0]])  # equal signatures pass
+    # Another worker's replicas of the same model (its own variables, seeded
+    # differently): equal signatures pass.
+    same = build_replicas(tiny_model, 1, worker_index=1)
+    assert [same[k] == infos[0][k] for k in ("shapes", "dtypes", "optimizers", "groups")] == \
+        [True] * 4
+    check_signatures([infos[0], same])
 
 
 def test_replicas_sharing_one_model():
@@ -105,62 +113,104 @@ def test_replicas_sharing_one_model():
         build_replicas(creator, 2)
 
 
-class NanAt(tiny.TinyModel):
-    """Replica 1's batch at its `nan_step`-th batch (0-based) holds a NaN."""
+class Faulty(tiny.TinyModel):
+    """tiny's model (batch 4; SGD with momentum, or plain SGD: new weights are all
+    it takes to train on after a NaN) that misbehaves as `arm` says: replica 1's
+    batch `nan_at` (0-based) holds a NaN; replica 0's get_batch call `fail_at`
+    (0-based) raises ValueError, once (a worker asks its replicas in order, so
+    its other replicas are not asked for that step)."""
 
-    def __init__(self, worker_index, device_index, devices_per_worker, nan_step):
+    def __init__(self, worker_index, device_index, devices_per_worker, optimizer):
+        import keras
+
         super().__init__(worker_index, device_index, devices_per_worker, 4)
-        self.nan_step = nan_step
+        if optimizer == "sgd":
+            self.optimizer = keras.optimizers.SGD(learning_rate=0.1)
+        self.arm()
+
+    def arm(self, nan_at=None, fail_at=None):
+        """From batch 0 again, with these faults."""
+        self.steps, self.calls, self.nan_at, self.fail_at = 0, 0, nan_at, fail_at
 
     def get_batch(self):
+        self.calls += 1
+        if self.replica == 0 and self.calls - 1 == self.fail_at:
+            raise ValueError(f"no batch {self.fail_at}")
         step = self.steps
         x, y = super().get_batch()
-        if self.replica == 1 and step == self.nan_step:
+        if self.replica == 1 and step == self.nan_at:
             x = x.copy()
             x[0, 0] = np.nan
         return x, y
 
 
-@pytest.mark.cluster
-@pytest.mark.usefixtures("ray_local")
-@pytest.mark.parametrize("workers,devices", [(2, 1), (1, 2)])  # exchange path, local path
-def test_nonfinite_gradient_raises_naming_step_worker_and_replica(workers, devices):
-    with dsgd.DistributedSGD(lambda w, d: NanAt(w, d, devices, 1), workers, devices, gpu=False,
-                             grad_shard_bytes=128) as sgd:
-        sgd.step()
-        before = sgd.foreach_model(lambda m: m.get_weights())
-        where = "worker 1, replica 0" if workers == 2 else "worker 0, replica 1"
-        # Several workers check before any update; one worker checks alongside its
-        # update (a gate before it would cost ~10 % of every step) and says so.
-        outcome = "no weights were changed" if workers == 2 else "the update was applied"
-        with pytest.raises(dsgd.NonFiniteError, match=f"step 2: non-finite gradient .* on {where} "
-                                                      rf"\(global replica 1\); {outcome}"):
-            sgd.step()
-        after = sgd.foreach_model(lambda m: m.get_weights())
-        if workers == 2:
-            for a, b in zip(after, before, strict=True):
-                for x, y in zip(a, b, strict=True):
-                    np.testing.assert_array_equal(x, y)
-        else:
-            assert not all(np.isfinite(w).all() for w in after[0])
-        assert sgd.steps_done == (1 if workers == 2 else 2)
+# workers, devices, on_nonfinite, optimizer, options: one instance per configuration,
+# shared by its tests (pytest runs them together, one instance alive at a time).
+CONFIGS = {
+    "2x1-raise": (2, 1, "raise", "sgdm", {}),  # the exchange path
+    # The local path; train() in calls of 2 steps, the next queued behind.
+    "1x2-raise": (1, 2, "raise", "sgd", {"local_steps_per_call": 2}),
+    "2x1-skip": (2, 1, "skip", "sgdm", {}),
+    "1x2-skip": (1, 2, "skip", "sgdm", {}),
+}
+
+
+@pytest.fixture(scope="module")
+def faulty(request, ray_local, tmp_path_factory):
+    """`faulty(nan_at=, fail_at=)`: configuration `request.param`'s instance back at
+    its start (weights, optimizer state, step count; a checkpoint) with its
+    replicas armed so."""
+    workers, devices, on_nonfinite, optimizer, options = CONFIGS[request.param]
+    with dsgd.DistributedSGD(lambda w, d: Faulty(w, d, devices, optimizer), workers, devices,
+                             gpu=False, grad_shard_bytes=128, on_nonfinite=on_nonfinite,
+                             **options) as sgd:
+        reset = Reset(sgd, str(tmp_path_factory.mktemp("errors") / "start"))
+
+        def start(nan_at=None, fail_at=None):
+            reset()
+            sgd.foreach_model(lambda m: m.arm(nan_at, fail_at))
+            return sgd
+
+        yield start
 
 
 @pytest.mark.cluster
-@pytest.mark.usefixtures("ray_local")
-@pytest.mark.parametrize("workers,devices", [(2, 1), (1, 2)])
-def test_nonfinite_gradient_skipped(workers, devices):
-    with dsgd.DistributedSGD(lambda w, d: NanAt(w, d, devices, 1), workers, devices, gpu=False,
-                             grad_shard_bytes=128, on_nonfinite="skip") as sgd:
+@pytest.mark.parametrize("faulty", ["2x1-raise", "1x2-raise"], indirect=True)
+def test_nonfinite_gradient_raises_naming_step_worker_and_replica(faulty):
+    sgd = faulty(nan_at=1)
+    workers = sgd.num_workers
+    sgd.step()
+    before = sgd.foreach_model(lambda m: m.get_weights())
+    where = "worker 1, replica 0" if workers == 2 else "worker 0, replica 1"
+    # Several workers check before any update; one worker checks alongside its
+    # update (a gate before it would cost ~10 % of every step) and says so.
+    outcome = "no weights were changed" if workers == 2 else "the update was applied"
+    with pytest.raises(dsgd.NonFiniteError, match=f"step 2: non-finite gradient .* on {where} "
+                                                  rf"\(global replica 1\); {outcome}"):
         sgd.step()
-        before = sgd.get_weights()
-        stats = sgd.step(fetch_stats=True)
-        assert stats["skipped"] and stats["skipped_steps"] == 1 and stats["step"] == 1
-        for x, y in zip(sgd.get_weights(), before, strict=True):
-            np.testing.assert_array_equal(x, y)
-        stats = sgd.step(fetch_stats=True)  # the next batches are finite again
-        assert not stats["skipped"] and stats["step"] == 2 and np.isfinite(stats["loss"])
-        assert all(np.isfinite(w).all() for w in sgd.get_weights())
+    after = sgd.foreach_model(lambda m: m.get_weights())
+    if workers == 2:
+        for a, b in zip(after, before, strict=True):
+            for x, y in zip(a, b, strict=True):
+                np.testing.assert_array_equal(x, y)
+    else:
+        assert not all(np.isfinite(w).all() for w in after[0])
+    assert sgd.steps_done == (1 if workers == 2 else 2)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("faulty", ["2x1-skip", "1x2-skip"], indirect=True)
+def test_nonfinite_gradient_skipped(faulty):
+    sgd = faulty(nan_at=1)
+    sgd.step()
+    before = sgd.get_weights()
+    stats = sgd.step(fetch_stats=True)
+    assert stats["skipped"] and stats["skipped_steps"] == 1 and stats["step"] == 1
+    for x, y in zip(sgd.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(x, y)
+    stats = sgd.step(fetch_stats=True)  # the next batches are finite again
+    assert not stats["skipped"] and stats["step"] == 2 and np.isfinite(stats["loss"])
+    assert all(np.isfinite(w).all() for w in sgd.get_weights())
 
 
 @pytest.mark.cluster
@@ -219,73 +269,36 @@ class WideReplica(tiny.TinyModel):
                                        keras.layers.Dense(tiny.OUT)])
 
 
-class NanAtPlainSGD(NanAt):
-    """NanAt with a stateless optimizer: new weights are all it takes to train on."""
-
-    def __init__(self, worker_index, device_index, devices_per_worker, nan_step):
-        import keras
-
-        super().__init__(worker_index, device_index, devices_per_worker, nan_step)
-        self.optimizer = keras.optimizers.SGD(learning_rate=0.1)
-
-
-class FailsAt(tiny.TinyModel):
-    """get_batch raises ValueError at its `fail_at`-th call (0-based), once."""
-
-    def __init__(self, worker_index, device_index, fail_at):
-        import keras
-
-        super().__init__(worker_index, device_index, 1, 4)
-        self.optimizer = keras.optimizers.SGD(learning_rate=0.1)
-        self.fail_at, self.calls = fail_at, 0
-
-    def get_batch(self):
-        self.calls += 1
-        if self.calls - 1 == self.fail_at:
-            raise ValueError(f"no batch {self.fail_at}")
-        return super().get_batch()
-
-
-def worker_actors() -> set[str]:
-    import ray
-
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith("dsgd-worker-")}
-
-
 @pytest.mark.cluster
-@pytest.mark.usefixtures("ray_local")
-def test_nonfinite_in_train_stops_the_steps_queued_behind_it():
+@pytest.mark.parametrize("faulty", ["1x2-raise"], indirect=True)
+def test_nonfinite_in_train_stops_the_steps_queued_behind_it(faulty):
     """One worker runs train()'s steps several per call, the next call queued
     behind the current one: a NaN step (applied, as with one worker always) stops
     its call and the queued one, so no later step is applied, and the driver's
     count matches the worker's. The next train() runs normally."""
-    # NaN at step 3: the 2nd call of 2 steps.
-    with dsgd.DistributedSGD(lambda w, d: NanAtPlainSGD(w, d, 2, 2), 1, 2, gpu=False,
-                             local_steps_per_call=2) as sgd:
-        with pytest.raises(dsgd.NonFiniteError, match="step 3: non-finite gradient"):
-            sgd.train(num_steps=8)
-        applied = ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"]
-        assert sgd.steps_done == applied == 3
-        sgd.set_weights([np.ones_like(w) * 0.1 for w in sgd.get_weights()])  # no NaN left
-        summary = sgd.train(num_steps=5)
-        assert summary["steps"] == 5 and sgd.steps_done == 8
-        assert ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"] == 8
-        assert np.isfinite(summary["loss"])
+    sgd = faulty(nan_at=2)  # NaN at step 3: the 2nd call of 2 steps
+    with pytest.raises(dsgd.NonFiniteError, match="step 3: non-finite gradient"):
+        sgd.train(num_steps=8)
+    applied = ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"]
+    assert sgd.steps_done == applied == 3
+    sgd.set_weights([np.ones_like(w) * 0.1 for w in sgd.get_weights()])  # no NaN left
+    summary = sgd.train(num_steps=5)
+    assert summary["steps"] == 5 and sgd.steps_done == 8
+    assert ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"] == 8
+    assert np.isfinite(summary["loss"])
 
 
 @pytest.mark.cluster
-@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("faulty", ["1x2-raise"], indirect=True)
 @pytest.mark.parametrize("fail_at", [2, 3])  # the first step of the 2nd call, its second
-def test_a_step_raising_in_a_call_of_several_counts_the_steps_before_it(fail_at):
+def test_a_step_raising_in_a_call_of_several_counts_the_steps_before_it(faulty, fail_at):
     """One worker, train() in calls of 2 steps: a step whose get_batch raises
     stops its call and the call queued behind it; the error reaches the caller,
     and the steps applied before it are counted (driver and worker agree)."""
-    with dsgd.DistributedSGD(lambda w, d: FailsAt(w, d, fail_at), 1, 1, gpu=False,
-                             local_steps_per_call=2) as sgd:
-        with pytest.raises(ValueError, match=f"no batch {fail_at}"):
-            sgd.train(num_steps=8)
-        applied = ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"]
-        assert sgd.steps_done == applied == fail_at
-        assert sgd.train(num_steps=3)["steps"] == 3  # a new call runs again
-        assert ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"] == fail_at + 3
+    sgd = faulty(fail_at=fail_at)
+    with pytest.raises(ValueError, match=f"no batch {fail_at}"):
+        sgd.train(num_steps=8)
+    applied = ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"]
+    assert sgd.steps_done == applied == fail_at
+    assert sgd.train(num_steps=3)["steps"] == 3  # a new call runs again
+    assert ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"] == fail_at + 3
