@@ -1,4 +1,5 @@
-"""No object-store leaks: usage after 300 steps equals usage after 10."""
+"""No object-store leaks: usage after 50 (default run) or 300 steps (`slow`, with
+failures) equals usage after 10."""
 
 import os
 import signal
@@ -38,11 +39,12 @@ class MidModel(dsgd.Model):
         return self.batch
 
 
-STEPS = 300  # a leak of one object per step would show ~15x the bound below
+STEPS = 300  # a leak of one object per step would show ~15x the peak bound below
+FAST_STEPS = 50  # the default run's: a leak of one object per step shows as 40 at the end
 
 
-def train_many_steps(sgd, baseline, kill_at=()):
-    """10 steps, the drained store usage, STEPS - 10 more (killing, before step 10 + i
+def train_many_steps(sgd, baseline, kill_at=(), steps=STEPS):
+    """10 steps, the drained store usage, `steps` - 10 more (killing, before step 10 + i
     for i in `kill_at`, a worker then PS actors), the peak object count while
     training and the drained usage at the end; both must equal `baseline`, the
     store's settled usage before `sgd` existed."""
@@ -51,15 +53,15 @@ def train_many_steps(sgd, baseline, kill_at=()):
         sgd.step()
     after_10 = store.drained_usage(baseline=baseline)
     peak = 0
-    for i in range(STEPS - 10):
+    for i in range(steps - 10):
         if i in kill_at:
             victim = sgd.workers[1] if i == kill_at[0] else sgd.ps_actors[0]
             os.kill(ray.get(victim.ping.remote(), timeout=60)["pid"], signal.SIGKILL)
         sgd.step()
-        if i % 50 == 49:
+        if i % 10 == 9:
             peak = max(peak, store.usage()["num_objects"])
     after_all = store.drained_usage(baseline=baseline)
-    assert sgd.steps_done == STEPS
+    assert sgd.steps_done == steps
     # While training, only the last few steps' objects are in the store (Ray frees
     # in batches, a few steps behind); a leak would hold ~STEPS steps' ...
     assert peak <= 20 * objects_per_step, (peak, objects_per_step)
@@ -73,8 +75,7 @@ def train_many_steps(sgd, baseline, kill_at=()):
         assert after_all == baseline, (baseline, after_all)
 
 
-@pytest.mark.slow  # long: CI runs it (.ci/run)
-def test_ps_store_usage_is_flat_over_300_steps_with_failures_in_between():
+def check_ps_store_usage(kill_at=(), steps=STEPS):
     """Also: every worker and PS actor warmed its store mapping, replacements too."""
     baseline = store.settled_usage()
     with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy="ps", grad_shard_bytes=140_000,
@@ -82,15 +83,25 @@ def test_ps_store_usage_is_flat_over_300_steps_with_failures_in_between():
         assert sgd.plan.num_shards == 4 and all(s.nbytes > 100_000 for s in sgd.plan.shards)
         want = store.warm_bytes(sgd.plan, 2)
         assert want == 8 * 3 * sum(s.nbytes for s in sgd.plan.shards)
-        train_many_steps(sgd, baseline, kill_at=(100, 200))  # a worker, then a PS actor
-        assert len(sgd.failures) == 2
+        train_many_steps(sgd, baseline, kill_at=kill_at, steps=steps)
+        assert len(sgd.failures) == len(kill_at)
         assert sgd.foreach_worker(lambda w: w.warmed_store_bytes) == [want, want]
         ps = ray.get([p.__ray_call__.remote(lambda p: p.warmed_store_bytes)
                       for p in sgd.ps_actors], timeout=60)
         assert ps == [want] * len(sgd.ps_actors)
 
 
-# ~11 s: `slow`. The default run keeps the "ps" leak test (300 steps, failures included);
+def test_ps_store_usage_is_flat_over_50_steps():
+    """The default run's "ps" leak check: the same path as below, no failures."""
+    check_ps_store_usage(steps=FAST_STEPS)
+
+
+@pytest.mark.slow  # long: CI runs it (.ci/run)
+def test_ps_store_usage_is_flat_over_300_steps_with_failures_in_between():
+    check_ps_store_usage(kill_at=(100, 200))  # a worker, then a PS actor
+
+
+# ~11 s: `slow`. The default run keeps a "ps" leak test (above, 50 steps);
 # "simple" passes whole gradients through the driver.
 @pytest.mark.slow
 def test_simple_store_usage_is_flat_over_300_steps():
