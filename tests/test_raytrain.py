@@ -13,17 +13,13 @@ import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 
 import dsgd.train as dt
+from helpers import dsgd_actor_names
 import raytrain_loops
 import tiny
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 
 STEPS, BATCH, ROWS = 3, 4, 40
-
-
-def dsgd_ps_actors():
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith("dsgd-ps-")]
 
 
 @pytest.mark.slow  # long: CI runs it (.ci/run)
@@ -53,7 +49,7 @@ def test_shards_ranks_and_exact_gradients(tmp_path):
     for k, want in enumerate(expected):
         np.testing.assert_allclose(ranks[0][f"fit_{k}"], want, rtol=0, atol=1e-5)
         np.testing.assert_array_equal(ranks[1][f"fit_{k}"], ranks[0][f"fit_{k}"])
-    assert not dsgd_ps_actors()
+    assert not dsgd_actor_names(("dsgd-ps-",))
     # One exchange: the run's PS actors (one per worker) were the engine's class.
     classes = [mro.split(",") for mro in ranks[0]["ps_classes"].tolist()]
     assert len(classes) == 2
@@ -89,7 +85,7 @@ def test_a_worker_killed_mid_fit_resumes_from_the_checkpoint_exactly(tmp_path):
     for k, want in enumerate(expected):
         np.testing.assert_allclose(finals[0][f"arr_{k}"], want, rtol=0, atol=1e-5)
         np.testing.assert_array_equal(finals[1][f"arr_{k}"], finals[0][f"arr_{k}"])
-    assert not dsgd_ps_actors()
+    assert not dsgd_actor_names(("dsgd-ps-",))
 
 
 def rendezvous_ps(ps_index: int, timeout_s: float):

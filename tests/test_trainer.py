@@ -133,12 +133,10 @@ def test_mixed_precision_trains_and_keeps_replicas_identical(use_fp16):
         dtypes = trainer.sgd.for_model(
             lambda m: (m.operator.model.layers[0].compute_dtype,
                        [str(v.dtype) for v in m.get_variables()]))
-        a, b = trainer.sgd.foreach_model(lambda m: m.get_weights())
+        assert_replicas_identical(trainer)
     assert dtypes[0] == ("float16" if use_fp16 is True else "bfloat16")  # compute dtype
     assert set(dtypes[1]) == {"float32"}
     assert val["val_accuracy"] > 0.75
-    for x, y in zip(a, b, strict=True):
-        np.testing.assert_array_equal(x, y)
 
 
 def test_two_models_two_optimizers():
