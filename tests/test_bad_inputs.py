@@ -11,7 +11,6 @@ transform errors (test_data.py), missing, truncated and corrupt checkpoints
 """
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ import ray
 import dsgd
 import tiny
 import trainer_ops
+from helpers import actors_gone, dsgd_actor_names
 from counting import N, one_hot
 from dsgd.data.feeds import finish
 from dsgd.engine import checkpoints
@@ -79,19 +79,6 @@ def in_process(creator, devices=1, worker_index=0) -> Replicas:
     replicas = Replicas(creator, worker_index, devices, False, "simple")
     replicas.info = replicas.setup()
     return replicas
-
-
-def dsgd_actors() -> set[str]:
-    return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(("dsgd-worker-", "dsgd-ps-"))}
-
-
-def assert_no_new_actors(before: set[str]) -> None:
-    """Killed actors leave the name list within seconds."""
-    deadline = time.monotonic() + 20
-    while dsgd_actors() - before and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not dsgd_actors() - before
 
 
 def assert_unchanged(sgd, weights, steps):
@@ -433,12 +420,12 @@ class TestOnCluster:
             assert trainer.train()["epoch"] == 2
 
     def test_workers_whose_models_disagree_stop_the_constructor(self):
-        before = dsgd_actors()
+        before = dsgd_actor_names()
         with pytest.raises(dsgd.ModelMismatchError, match=r"model_creator disagrees across "
                                                           r"workers: worker 1's replicas have 1 "
                                                           r"variables, worker 0's have 1"):
             dsgd.DistributedSGD(lambda w, d: Switch(w, d, size=N + w), 2, 1, gpu=False)
-        assert_no_new_actors(before)
+        assert not actors_gone(before=before)  # killed actors leave the name list
 
 
 def set_mode(sgd, mode: str) -> None:
