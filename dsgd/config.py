@@ -25,8 +25,10 @@ class Config:
     Fields beyond the constructor's documented arguments: `apply_per_group`
     (strategy "ps": apply each PS group's mean as soon as it arrives, where the
     optimizers allow it; False: one apply per step) and `local_steps_per_call`
-    (one worker, `train()`: steps per actor call). Both are performance
-    switches that never change results.
+    (`train()`: steps per actor call), and `worker_exchange` (strategy "ps",
+    several workers: False has the driver relay every group of every step, the
+    path backup workers take; True, the default, has the workers exchange by
+    themselves). All are performance switches that never change results.
     """
 
     model_creator: Callable[[int, int], Any]
@@ -50,6 +52,7 @@ class Config:
     apply_per_group: bool = True
     local_steps_per_call: int = constants.LOCAL_STEPS_PER_CALL
     backup_workers: int = 0
+    worker_exchange: bool = True
     local: bool = False
 
     def __post_init__(self):
@@ -95,6 +98,7 @@ class Config:
         if self.worker_init is not None:
             check_picklable("worker_init", self.worker_init, "Ray sends it to every worker")
         _bool("apply_per_group", self.apply_per_group)
+        _bool("worker_exchange", self.worker_exchange)
         _bool("local", self.local)
         if self.local and self.num_workers != 1:
             raise ValueError(f"local=True runs one worker in this process: num_workers must be "

@@ -17,9 +17,10 @@ DEFAULT_GRAD_SHARD_BYTES = 10_000_000
 # late PS surfaces as the driver's StepTimeoutError.
 WORKER_WAIT_MARGIN_S = 5.0
 LOCAL_STEPS_PER_CALL = 8
-"""Default `local_steps_per_call`: with one worker, `train()` runs this many steps
-per actor call (Worker.local_steps), so Ray's cost per call is paid once per
-that many steps; the progress bar moves in such chunks."""
+"""Default `local_steps_per_call`: `train()` runs this many steps per actor call
+(one worker: Worker.local_steps; several, strategy "ps": Worker.exchange_steps),
+so Ray's cost per call is paid once per that many steps; the progress bar moves
+in such chunks."""
 # Each worker and PS actor faults in its page-table entries for this many
 # steps' worth of objects at the start of its object-store mapping
 # ((num_workers + 1) x gradient bytes per step; see store.warm).

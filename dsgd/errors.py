@@ -53,3 +53,9 @@ class NonFiniteError(DsgdError, FloatingPointError):
     worker and replica, and says whether the update was applied: with several
     workers no weight changed; with one worker the check runs alongside the
     update, which was applied. Also a `FloatingPointError`."""
+
+
+class ExchangeAbandoned(DsgdError):
+    """(internal) A PS ended an exchange of an attempt the driver abandoned after a
+    failure elsewhere (a dead or hung peer): the worker stops its steps, nothing
+    of that step applied, and the step is retried in a new attempt."""

@@ -1,5 +1,6 @@
-"""Per-group apply (strategy "ps"): each worker applies a PS group's mean as soon
-as it is in the store (Worker.apply_staged). It must be one update of the whole
+"""Per-group apply (strategy "ps", the driver-relayed exchange that backup workers
+take: `worker_exchange=False` here): each worker applies a PS group's mean as
+soon as it is in the store (Worker.apply_staged). It must be one update of the whole
 step: the same weights and optimizer state, bit for bit, as one apply, with
 learning-rate schedules, Adam's bias correction and several optimizers."""
 
@@ -26,9 +27,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 
 
 def make(creator, **kwargs):
-    # 100-byte shards over 2 PS: 2 groups, and variable 0 (140 bytes) split across them.
+    # 100-byte shards over 2 PS: 2 groups, and variable 0 (140 bytes) split across them;
+    # the driver relays the groups (the workers' own exchange applies each step at once).
     return dsgd.DistributedSGD(creator, 2, 1, gpu=False, grad_shard_bytes=100, num_ps=2,
-                               step_timeout_s=120, **kwargs)
+                               step_timeout_s=120, worker_exchange=False, **kwargs)
 
 
 def keyed(w, d):

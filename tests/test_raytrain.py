@@ -2,7 +2,6 @@
 shards, ranks, exact DistributedGradientTape and DistributedOptimizer +
 model.fit, the Result, a SIGKILL restart, and no PS actor left behind."""
 
-import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,7 @@ import ray
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 
 import dsgd.train as dt
+from dsgd.comm.ps_client import PSClient
 from helpers import dsgd_actor_names
 import raytrain_loops
 import tiny
@@ -113,10 +113,15 @@ def test_a_dead_ps_is_an_error_naming_it():
         except ray.exceptions.RayActorError:
             break
         time.sleep(0.1)
-    ref = ps.broadcast.remote(0, 0, 2, 0, [np.zeros(3)])
-    context = {"names": ["dsgd-ps-0-abc"], "timeout_s": 30.0}
-    with pytest.raises(DsgdError, match=r"exchange 7: PS actor dsgd-ps-0-abc died .*FailureConfig"):
-        exchange._get(context, [ref], [0], "exchange 7")
+    exchange.install([ps], ["dsgd-ps-0-abc"], 64, 30.0)
+    try:
+        exchange._CONTEXT["client"] = PSClient([ps], ["dsgd-ps-0-abc"], 0, 2, 30.0, "dsgd.train",
+                                               seq_base=7)
+        with pytest.raises(DsgdError,
+                           match=r"broadcast 7: PS actor dsgd-ps-0-abc died .*FailureConfig"):
+            exchange.broadcast([np.zeros(3)], 0)
+    finally:
+        exchange._CONTEXT.clear()  # this process is no Ray Train worker
 
 
 def test_a_missing_rank_times_out_naming_it():
@@ -129,26 +134,26 @@ def test_a_missing_rank_times_out_naming_it():
 
 @pytest.fixture(scope="module")
 def two_ps():
-    """2 PS actors for the exchange tests, and the next exchange number of each
-    rank (exchanges go on numbering across tests, as steps of one run do)."""
+    """2 PS actors for the exchange tests, and each rank's client of them
+    (exchanges go on numbering across tests, as steps of one run do)."""
     ps = [rendezvous_ps(j, 30.0) for j in range(2)]
-    yield ps, ["ps-a", "ps-b"], [itertools.count(), itertools.count()]
+    names = ["ps-a", "ps-b"]
+    yield ps, names, [PSClient(ps, names, r, 2, 30.0, "dsgd.train") for r in range(2)]
     for handle in ps:
         ray.kill(handle)
 
 
 def exchange_as_two_ranks(two_ps, compression, per_rank, monkeypatch):
     """`exchange.mean` as Ray Train workers 0 and 1 of 2 would call it, each rank
-    a thread of this process (its rank and exchange numbers thread-local; the PS
-    actors, their rendezvous and the object store are real): a rank's process
-    would only add a TensorFlow import (~10 s on 2 cores)."""
+    a thread of this process with its own PSClient (the PS actors, their
+    rendezvous and the object store are real): a rank's process would only add a
+    TensorFlow import (~10 s on 2 cores)."""
     from dsgd.train import exchange
 
-    ps, names, sequences = two_ps
+    ps, names, clients = two_ps
     local = threading.local()
     exchange.install(ps, names, 64, 30.0, compression)
-    monkeypatch.setattr(exchange, "world", lambda: (local.rank, 2))
-    monkeypatch.setattr(exchange, "next_sequence", lambda: next(sequences[local.rank]))
+    monkeypatch.setattr(exchange, "client", lambda: clients[local.rank])
 
     def rank(r):
         local.rank = r

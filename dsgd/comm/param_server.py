@@ -28,9 +28,13 @@ from dsgd import constants
 from dsgd.comm import store
 from dsgd.comm.means import mean_shard, split_group
 from dsgd.comm.sharding import Shard
+from dsgd.errors import ExchangeAbandoned
 
 
 RENDEZVOUS = "rendezvous"  # the concurrency group of the workers' own exchanges
+# Exchange numbers: the attempt (a step retried after a failure is a new attempt) in the
+# bits above this one, the step below (dsgd/comm/ps_client.py `sequence_number`).
+ATTEMPT_SHIFT = 32
 
 
 def rendezvous_concurrency(world: int) -> int:
@@ -53,6 +57,7 @@ class ParameterServer:
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self._arrivals = threading.Condition()
         self._pending: dict = {}  # (kind, seq) -> _Rendezvous
+        self._attempt = 0  # the newest attempt seen (seq >> ATTEMPT_SHIFT)
 
     def ready(self) -> dict:
         """Where this PS runs: node_id, pid."""
@@ -104,25 +109,41 @@ class ParameterServer:
     # -- Ray Train: the workers call, the PS matches their calls ---------------
     @ray.method(concurrency_group=RENDEZVOUS)
     def reduce(self, seq: int, rank: int, world: int, shards: tuple[Shard, ...],
-               pieces: tuple[np.ndarray, ...], scale: float | None = None) -> tuple:
+               pieces: tuple[np.ndarray, ...] | None, scale: float | None = None,
+               meta: dict | None = None) -> list:
         """Worker `rank`'s part of exchange `seq`: its pieces of a group of shards
         (as `mean` takes one worker's group; read-only store views). Blocks
         until all `world` workers' parts arrived, at most `rendezvous_timeout_s`
         seconds (then TimeoutError naming the ranks that never came); the last
-        arrival averages (into reused scratch buffers, once per exchange; `scale` 1.0 sums)
-        and every call returns the same one-element list: the ObjectRef of the
-        result (a tuple, one array per shard), put in the store once for all
-        callers instead of copied into each caller's reply."""
+        arrival averages (into reused scratch buffers, once per exchange; `scale`
+        1.0 sums) and every call returns the same one-element list: the
+        ObjectRef of the result, put in the store once for all callers instead of
+        copied into each caller's reply. The result is a tuple with one array
+        per shard; with `meta` (the engine's steps: a small dict from every
+        worker, e.g. its gradient's finiteness) it is `(means, metas)`, metas in
+        rank order, and `pieces=None` from every worker (an epoch's end) sums
+        nothing: `(None, metas)`.
+
+        Exchange numbers carry an attempt in their high bits (`seq >> 32`): the
+        first part of a newer attempt ends every pending exchange of older ones
+        (their callers get an error), so a step retried after a failure never
+        meets the parts of its failed attempt."""
         import ray
 
         def combine(parts):
             # Summed into the reused scratch buffers (fresh pages would cost a first
             # touch each time), then put once; the lock keeps two exchanges that
             # finish together on this PS from sharing the scratch.
+            values = [parts[r][0] for r in range(world)]
             with self._scratch_lock:
-                return [ray.put(self._means(shards, [parts[r] for r in range(world)], scale))]
+                means = None if any(v is None for v in values) else \
+                    self._means(shards, values, scale)
+                if meta is None:
+                    return [ray.put(means)]
+                return [ray.put((means, [parts[r][1] for r in range(world)]))]
 
-        return self._rendezvous(("reduce", seq), rank, world, pieces, range(world), combine)
+        return self._rendezvous(("reduce", seq), rank, world, (pieces, meta), range(world),
+                                combine)
 
     @ray.method(concurrency_group=RENDEZVOUS)
     def broadcast(self, seq: int, rank: int, world: int, root: int, values):
@@ -139,6 +160,23 @@ class ParameterServer:
                                 lambda parts: [parts[r] for r in range(world)])
 
     @ray.method(concurrency_group=RENDEZVOUS)
+    def waiting(self) -> dict:
+        """{exchange number: the ranks not arrived} of every reduce some worker
+        waits in now (for the driver's stall reports)."""
+        with self._arrivals:
+            return {key[1]: sorted(set(m.needed) - set(m.parts))
+                    for key, m in self._pending.items()
+                    if key[0] == "reduce" and not m.done and m.parts}
+
+    @ray.method(concurrency_group=RENDEZVOUS)
+    def abandon(self, attempt: int) -> None:
+        """Give up every exchange of `attempt` and older (the driver found a failure):
+        their waiting callers get ExchangeAbandoned at once, and so does any part
+        of them that arrives later."""
+        with self._arrivals:
+            self._end_older_attempts(attempt + 1)
+
+    @ray.method(concurrency_group=RENDEZVOUS)
     def missing_ranks(self, kind: str, seq: int) -> list[int]:
         """The ranks whose part of exchange (`kind`, `seq`) has not arrived here
         ([] if no part of it has)."""
@@ -148,6 +186,11 @@ class ParameterServer:
 
     def _rendezvous(self, key: tuple, rank: int, world: int, part, needed, combine):
         with self._arrivals:
+            attempt = key[1] >> ATTEMPT_SHIFT
+            if attempt < self._attempt:
+                raise ExchangeAbandoned(f"dsgd PS {self.ps_index}: {key[0]} {key[1]} abandoned: "
+                                        f"attempt {attempt} was given up after a failure")
+            self._end_older_attempts(attempt)
             meeting = self._pending.setdefault(key, _Rendezvous())
             meeting.needed = tuple(needed)
             meeting.parts[rank] = part
@@ -168,11 +211,26 @@ class ParameterServer:
                     f"dsgd PS {self.ps_index}: {key[0]} {key[1]}: rank(s) {missing} of {world} "
                     f"did not arrive within {self.rendezvous_timeout_s:.0f} s")
             meeting.served += 1
-            if meeting.served == world:
+            if meeting.served == world and self._pending.get(key) is meeting:
                 del self._pending[key]
         if meeting.error is not None:
             raise meeting.error
         return meeting.result
+
+    def _end_older_attempts(self, attempt: int) -> None:
+        """(holding `_arrivals`) A part of attempt `attempt` arrived: pending exchanges
+        of older attempts will never complete (their step is being retried); end
+        them with an error for their callers."""
+        if attempt <= self._attempt:
+            return
+        self._attempt = attempt
+        for key, meeting in list(self._pending.items()):
+            if key[1] >> ATTEMPT_SHIFT < attempt and not meeting.done:
+                meeting.finish(None, ExchangeAbandoned(
+                    f"dsgd PS {self.ps_index}: {key[0]} {key[1]} abandoned: attempt "
+                    f"{key[1] >> ATTEMPT_SHIFT} was given up after a failure"))
+                del self._pending[key]
+        self._arrivals.notify_all()
 
 
 class _Rendezvous:

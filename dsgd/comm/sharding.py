@@ -238,13 +238,45 @@ def group_shards(owner: Sequence[int]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in groups.values())
 
 
-def exchange_layout(plan: ShardPlan, num_ps: int) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-    """(the PS of every shard, the shard groups) for `num_ps` PS actors: shards
-    balanced by bytes (`assign_shards`), one group per PS (`group_shards`). The
-    one layout of the engine's "ps" strategy and of the Ray Train exchange."""
+@dataclasses.dataclass(frozen=True)
+class ExchangeLayout:
+    """Which PS serves which gradients: the shard `plan`, the shard indices that
+    travel as one object per worker and exchange (`groups`, one per PS), and the
+    PS index of every group (`ps_of_group`). The one place that decides it, for
+    the engine, the Trainer's custom epochs and the Ray Train exchange."""
+
+    plan: ShardPlan
+    groups: tuple[tuple[int, ...], ...]
+    ps_of_group: tuple[int, ...] = ()  # () where no PS exchanges (strategy "simple")
+
+    @property
+    def ps_of_shard(self) -> tuple[int, ...]:
+        """The PS index of every shard (() where no PS exchanges)."""
+        if not self.ps_of_group:
+            return ()
+        owner = [0] * self.plan.num_shards
+        for group, ps in zip(self.groups, self.ps_of_group):
+            for j in group:
+                owner[j] = ps
+        return tuple(owner)
+
+    @property
+    def num_ps(self) -> int:
+        return max(self.ps_of_group, default=-1) + 1
+
+    def shards(self, g: int) -> tuple[Shard, ...]:
+        """The `Shard`s of group `g`."""
+        return tuple(self.plan.shards[j] for j in self.groups[g])
+
+
+def exchange_layout(plan: ShardPlan, num_ps: int) -> ExchangeLayout:
+    """The layout for `num_ps` PS actors: shards balanced by bytes
+    (`assign_shards`), one group per PS (`group_shards`). The one layout of the
+    engine's "ps" strategy and of the Ray Train exchange."""
     if num_ps > plan.num_shards:
         logger.warning("num_ps=%d but the gradients make only %d shard(s); %d PS actor(s) "
                        "will idle (lower grad_shard_bytes to make more shards)",
                        num_ps, plan.num_shards, num_ps - plan.num_shards)
     owner = assign_shards([s.nbytes for s in plan.shards], num_ps)
-    return tuple(owner), group_shards(owner)
+    groups = group_shards(owner)
+    return ExchangeLayout(plan, groups, tuple(owner[group[0]] for group in groups))

@@ -52,15 +52,31 @@ class Action:
     step_completed: bool = False   # the interrupted step was applied: do not retry it
 
 
+def over_budget(failure: int, max_failures: int, what: str) -> str | None:
+    """Why to stop at failure number `failure` (this one included) when it is more
+    than `max_failures`; None when it may be recovered. Every failure the driver
+    counts (a recovery, a PS the workers stood in for, a backup worker's
+    replacement or its failed start) is checked here."""
+    if failure > max_failures:
+        return f"{what}: failure {failure} exceeds max_failures={max_failures}"
+    return None
+
+
+def recovers_hang(replace_hung: bool, late: list) -> bool:
+    """Whether a StepTimeoutError is recovered from (the late actors replaced)
+    rather than raised: only with `replace_hung` and when it names who is late."""
+    return bool(replace_hung and late)
+
+
 def decide(status: Status) -> Action:
     dead = [w.slot for w in status.workers if not w.alive]
     survivors = [w for w in status.workers if w.alive]
     if not dead and not status.dead_ps:
         return Action(False, "no actor died, so the error is not one dsgd recovers from")
     what = _describe(dead, status.dead_ps)
-    if status.failures > status.max_failures:
-        return Action(False, f"{what}: failure {status.failures} exceeds max_failures="
-                             f"{status.max_failures}")
+    stop = over_budget(status.failures, status.max_failures, what)
+    if stop is not None:
+        return Action(False, stop)
     replace = dead[:max(0, status.placeable_workers)]
     drop = dead[len(replace):]
     if drop and not status.elastic:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dsgd.comm import store
 from dsgd.comm.param_server import ps_nodes
-from dsgd.comm.sharding import exchange_layout, plan_shards, whole_plan
+from dsgd.comm.sharding import ExchangeLayout, exchange_layout, plan_shards, whole_plan
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
 from dsgd.engine.resources import check_resources, check_store
@@ -54,13 +54,11 @@ def start(config: Config, actors: ActorSet) -> Topology:
     warm_bytes = store.warm_bytes(plan, config.num_workers)
     configured = _configure(config, actors, slots, plan, warm_bytes)
     if config.uses_ps:
-        num_ps = config.num_ps or min(plan.num_shards, config.num_workers)
-        ps_of_shard, groups = exchange_layout(plan, num_ps)
+        layout = exchange_layout(plan, config.num_ps or min(plan.num_shards, config.num_workers))
     else:  # one group per shard; with one worker nothing is exchanged
-        ps_of_shard, groups = (), tuple((j,) for j in range(plan.num_shards))
+        layout = ExchangeLayout(plan, tuple((j,) for j in range(plan.num_shards)))
     topology = Topology(
-        signature={k: infos[0][k] for k in SIGNATURE_KEYS if k in infos[0]}, plan=plan,
-        ps_of_shard=ps_of_shard, groups=groups,
+        signature={k: infos[0][k] for k in SIGNATURE_KEYS if k in infos[0]}, layout=layout,
         # Apply each PS group's mean as it arrives where the optimizers allow it;
         # replacements run the same model_creator.
         per_group_blocker=next((c["per_group_blocker"] for c in configured

@@ -24,14 +24,17 @@ import itertools
 import logging
 from collections.abc import Iterator
 
+from dsgd.comm.ps_client import sequence_number
 from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
 from dsgd.engine.backups import Stragglers
 from dsgd.engine.feeds import FeedEntry
+from dsgd.engine.failures import recovers_hang
 from dsgd.engine.recovery import Recovery
 from dsgd.engine.state import Progress, Topology
-from dsgd.engine.step import ExchangeStep, LocalSteps, StepResult
+from dsgd.engine.step import ExchangeStep, LocalSteps, StepResult, workers_exchange
+from dsgd.engine.worker_steps import Attempts, WorkerSteps
 from dsgd.errors import DsgdError, NonFiniteError, StepTimeoutError
 
 logger = logging.getLogger("dsgd")
@@ -46,6 +49,11 @@ class StepLoop:
         self.stragglers = recovery.stragglers if recovery is not None \
             else Stragglers(config.backup_workers)
         self._run_ids = itertools.count(1)
+        # The worker-driven exchange (WorkerSteps): exchange numbers, the attempt they
+        # belong to (a new one after every failure) and the group the workers last joined.
+        self._sequence = itertools.count(1)
+        self._attempts = Attempts()
+        self._joined = None
 
     def run(self, entry: FeedEntry | None, count: int | None) -> Iterator[StepResult]:
         """`count` steps (None: until the caller stops, which then must not need
@@ -75,7 +83,8 @@ class StepLoop:
                     if ahead is not None and not ahead.exchanges:
                         ahead.started()
             except (*actor_died_errors(), StepTimeoutError) as e:
-                if isinstance(e, StepTimeoutError) and not (self.config.replace_hung and e.late):
+                if isinstance(e, StepTimeoutError) and not recovers_hang(self.config.replace_hung,
+                                                                         e.late):
                     # Raised submitting the step after `pending` (under backup_workers: a
                     # late worker hung, or late for an epoch's start): `pending`'s applies
                     # are on their way, counted as for any other error. (Raised by
@@ -86,6 +95,8 @@ class StepLoop:
                 membership = pending.membership() \
                     if pending is not None and hasattr(pending, "membership") else {}
                 pending = ahead = None  # both went to actors that may be gone: redone
+                self._attempts.give_up(self.actors.ps)  # (WorkerSteps) the retry is a new one
+                run_id = next(self._run_ids)  # the survivors halted the old run
                 if not self.recovery.recover(e):  # kills the hung actors first
                     continue  # retry
                 # Applied before the failure: the mean of the contributors chosen.
@@ -106,6 +117,9 @@ class StepLoop:
                 self._drain(ahead, entry)
                 raise
             pending = ahead
+            failure = None  # (WorkerSteps gave its attempt up: retries are a new one)
+            if results and results[-1].failure is not None:
+                failure, results = results[-1].failure, results[:-1]
             for result in results:
                 if result.epoch_end:
                     if entry is not None:
@@ -115,6 +129,10 @@ class StepLoop:
                 if result.error is not None:
                     self._drain(pending, entry)
                     raise result.error
+                if result.halted:  # several workers, "raise": nothing of it was applied
+                    self._drain(pending, entry)
+                    raise self._nonfinite_error(self.progress.steps_done + 1,
+                                                result.infos[0]["nonfinite"], applied=False)
                 error = self._count(result, entry)
                 if error is not None:  # one worker, "raise": the step was applied
                     self._drain(pending, entry)
@@ -122,6 +140,40 @@ class StepLoop:
                 done += 1
                 pending = self._replace_fallen_ps(result, pending)
                 yield result
+            if failure is not None:
+                # The workers stopped at a failed exchange, the steps before it counted:
+                # recover, then go on from the first step not applied everywhere.
+                pending = None  # its calls stop at once (the same run halted on the failure)
+                run_id = next(self._run_ids)  # ... so the steps after the failure are a new run
+                for result in self._recover_from(failure, len(self.actors.workers)):
+                    self._count(result, entry)
+                    done += 1
+                    yield result
+
+    def _recover_from(self, error: BaseException, workers: int) -> list[StepResult]:
+        """After a WorkerSteps failure: a hang without replace_hung raises; else the
+        policy recovers (replacing the dead or hung actors) and, if the interrupted
+        step had been applied by a survivor, returns it to count."""
+        if isinstance(error, StepTimeoutError) and not recovers_hang(self.config.replace_hung,
+                                                                     error.late):
+            raise error
+        if self.recovery.recover(error):
+            return [StepResult(None, [{"apply_s": 0.0}], workers)]
+        return []
+
+    def _join(self) -> None:
+        """Tell the workers who takes part in their exchange (after start-up and after
+        any change of workers or PS actors). Blocks, at most step_timeout_s."""
+        workers, ps = self.actors.workers, self.actors.ps
+        key = (self.actors.membership, tuple(id(w) for w in workers), tuple(id(p) for p in ps))
+        if key == self._joined:
+            return
+        names = [self.actors.name(p) if p is not None else f"PS {j}" for j, p in enumerate(ps)]
+        self.actors.wait([w.join.remote(rank, workers, ps, names, self.topology.layout,
+                                        self.config.step_timeout_s, self.config.on_nonfinite)
+                          for rank, w in enumerate(workers)], workers,
+                         "joining the exchange", self.config.step_timeout_s)
+        self._joined = key
 
     # -- units -----------------------------------------------------------------------------
     def _submit(self, entry: FeedEntry | None, run_id: int, offset: int, count: int | None,
@@ -134,6 +186,14 @@ class StepLoop:
             self.stragglers.free(self.actors.workers, self.actors.slots)
             self.recovery.replace_in_background(self.stragglers.take_dead())
             self.recovery.admit_joiners()
+        if workers_exchange(self.config, self.actors.num_workers):
+            self._join()
+            size = 1 if count is None else min(self.config.local_steps_per_call, count - done)
+            datas = [self._step_args(entry, offset + k) for k in range(size)]
+            seqs = [sequence_number(self._attempts.current, next(self._sequence))
+                    for _ in range(size)]
+            return WorkerSteps(self.config, self.actors, datas, seqs, self._attempts, run_id,
+                               number).submit()
         if self.actors.num_workers > 1:
             need = self.stragglers.need(self.actors.num_workers + self.recovery.joining)
             return ExchangeStep(self.config, self.actors, self.topology,

@@ -146,10 +146,10 @@ class Recovery:
         start = time.perf_counter()
         reason = (f"PS actor(s) {', '.join(map(str, dead_ps))} died; the workers computed its "
                   "means: the step had been applied, not retried")
-        failure = len(self.progress.failures) + 1
-        if failure > self.config.max_failures:
-            raise DsgdError(f"step {steps_done}: {reason}; failure {failure} exceeds "
-                            f"max_failures={self.config.max_failures}")
+        stop = failures.over_budget(len(self.progress.failures) + 1, self.config.max_failures,
+                           f"step {steps_done}: {reason}")
+        if stop is not None:
+            raise DsgdError(stop)
         logger.warning("%s: %s", what, reason)
         for j in dead_ps:
             self.actors.remove_ps(j)
@@ -193,10 +193,11 @@ class Recovery:
         for handle, slot in dead:
             if slot not in self.actors.slots or self.actors.worker(slot) is not handle:
                 continue  # already replaced (by a recovery)
-            failure = len(self.progress.failures) + len(self._joining) + 1
-            if failure > self.config.max_failures:
-                raise DsgdError(f"step {self.progress.steps_done + 1}: worker {slot} died; failure "
-                                f"{failure} exceeds max_failures={self.config.max_failures}")
+            stop = failures.over_budget(len(self.progress.failures) + len(self._joining) + 1,
+                               self.config.max_failures,
+                               f"step {self.progress.steps_done + 1}: worker {slot} died")
+            if stop is not None:
+                raise DsgdError(stop)
             self.actors.remove_worker(slot)
             # New data loaders for the survivors (a Ray Data split must not wait on it).
             self.actors.next_generation(workers_added=True)
@@ -235,10 +236,10 @@ class Recovery:
                 self.progress.failed({"step": joiner["step"], "error": type(e).__name__,
                                       "reason": f"worker {slot}'s replacement died starting",
                                       "recovery_s": time.perf_counter() - joiner["start"]})
-                if failure + 1 > self.config.max_failures:
-                    raise DsgdError(f"worker {slot}'s replacement died while starting; failure "
-                                    f"{failure + 1} exceeds max_failures="
-                                    f"{self.config.max_failures}") from e
+                stop = failures.over_budget(failure + 1, self.config.max_failures,
+                                   f"worker {slot}'s replacement died while starting")
+                if stop is not None:
+                    raise DsgdError(stop) from e
                 self._spawn(slot, joiner["start"], joiner["step"])
 
     def _spawn(self, slot: int, start: float, step: int) -> None:

@@ -21,6 +21,7 @@ from dsgd.engine import checkpoints, feeding, launch
 from dsgd.engine.actors import ActorSet
 from dsgd.engine.backups import Stragglers
 from dsgd.engine.feeds import Feeds
+from dsgd.engine.failures import recovers_hang
 from dsgd.engine.loop import StepLoop
 from dsgd.engine.recovery import Recovery
 from dsgd.engine.resources import resolve_gpu
@@ -122,12 +123,23 @@ class DistributedSGD:
             `breakpoint()` in `model_creator` or `get_loss` stops in this
             terminal; the same driver code path otherwise (dsgd/engine/local.py).
             For debugging: slower, and a worker that raises is not replaced.
-        apply_per_group: (performance switch, never changes results) strategy
-            "ps" with several PS groups: each worker applies a group's mean as
-            soon as it is in the store, where the optimizers allow it
-            (`per_group_blocker` says why not); False: one apply per step.
-        local_steps_per_call: (performance switch, never changes results) one
-            worker, `train()`: steps per actor call.
+        apply_per_group: (performance switch, never changes results) on the
+            driver-relayed exchange (`worker_exchange=False`, or backup workers)
+            with several PS groups: each worker applies a group's mean as soon
+            as it is in the store, where the optimizers allow it
+            (`per_group_blocker` says why not); False: one apply per step. (The
+            workers' own exchange applies each step at once, after every
+            group's mean is in.)
+        local_steps_per_call: (performance switch, never changes results)
+            `train()`: steps per actor call with one worker, and per call of
+            each worker on the workers' own exchange.
+        worker_exchange: (performance switch, never changes results) strategy
+            "ps" with several workers and no backup workers: True (default)
+            has each worker send its groups to the PS actors and read the means
+            itself, the driver starting calls of one or more steps and reading
+            per-step reports (dsgd/engine/worker_steps.py); False has the
+            driver relay every group of every step (dsgd/engine/step.py
+            `ExchangeStep`, the path backup workers take), for comparison.
 
     Raises:
         TypeError: a bad argument (wrong type, or a function Ray cannot
@@ -165,7 +177,8 @@ class DistributedSGD:
                  replace_hung: bool = False, worker_init: Callable[[], Any] | None = None,
                  compression: str | None = None, backup_workers: int = 0,
                  local: bool = False, apply_per_group: bool = True,
-                 local_steps_per_call: int = constants.LOCAL_STEPS_PER_CALL):
+                 local_steps_per_call: int = constants.LOCAL_STEPS_PER_CALL,
+                 worker_exchange: bool = True):
         self.config = Config(
             model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
             all_reduce_alg, num_ps, num_cpus_per_worker=num_cpus_per_worker,
@@ -173,7 +186,8 @@ class DistributedSGD:
             stall_warning_s=stall_warning_s, on_nonfinite=on_nonfinite,
             max_failures=max_failures, elastic=elastic, replace_hung=replace_hung,
             worker_init=worker_init, compression=compression, apply_per_group=apply_per_group,
-            local_steps_per_call=local_steps_per_call, backup_workers=backup_workers, local=local)
+            local_steps_per_call=local_steps_per_call, backup_workers=backup_workers, local=local,
+            worker_exchange=worker_exchange)
         # Starts Ray if it is not running; gpu=None becomes whether the cluster has GPUs.
         self.config = config = self.config.with_gpu(
             resolve_gpu(gpu, num_workers, devices_per_worker))
@@ -238,6 +252,12 @@ class DistributedSGD:
     def shard_groups(self) -> tuple[tuple[int, ...], ...]:
         """Shard indices that travel as one object per worker and step."""
         return self._topology.groups
+
+    @property
+    def exchange_layout(self):
+        """The shard plan, its groups and the PS of every group
+        (dsgd/comm/sharding.py `ExchangeLayout`)."""
+        return self._topology.layout
 
     @property
     def ps_assignment(self) -> tuple[int, ...]:
@@ -636,7 +656,7 @@ class DistributedSGD:
                 hung = isinstance(e, StepTimeoutError)
                 if hung:
                     e = self._late_by_index(e, owners)
-                if attempt or (hung and not (self.config.replace_hung and e.late)):
+                if attempt or (hung and not recovers_hang(self.config.replace_hung, e.late)):
                     raise
                 self._recovery.recover(e, call=what)
         raise AssertionError("unreachable")

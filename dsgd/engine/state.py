@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dsgd.comm.sharding import Shard, ShardPlan
+from dsgd.comm.sharding import ExchangeLayout, Shard, ShardPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,34 +15,43 @@ class Topology:
     """How gradients travel, fixed by the first workers' model.
 
     signature: the variables' names, shapes and dtypes (replacement workers must match).
-    plan: the shard plan (strategy "simple": one shard per variable).
-    ps_of_shard: the PS index of every shard; () when no PS exchanges (strategy
-        "simple", or one worker).
-    groups: the shard indices that travel as one object per worker and step
-        (one group per PS under "ps"; one per shard under "simple").
+    layout: the shard plan (strategy "simple": one shard per variable), the
+        groups of shards that travel as one object per worker and step (one
+        per PS under "ps"; one per shard under "simple") and the PS of every
+        group (none under "simple" or with one worker): dsgd/comm/sharding.py.
     per_group_blocker: why steps cannot be applied PS group by group with these
         optimizers (None: they can; see Replicas.per_group_blocker).
     warm_store_bytes: how much of its object-store mapping each actor warms.
     """
 
     signature: dict
-    plan: ShardPlan
-    ps_of_shard: tuple[int, ...]
-    groups: tuple[tuple[int, ...], ...]
+    layout: ExchangeLayout
     per_group_blocker: str | None
     warm_store_bytes: int
 
     @property
+    def plan(self) -> ShardPlan:
+        return self.layout.plan
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        return self.layout.groups
+
+    @property
+    def ps_of_shard(self) -> tuple[int, ...]:
+        return self.layout.ps_of_shard
+
+    @property
     def num_ps(self) -> int:
-        return max(self.ps_of_shard, default=-1) + 1
+        return self.layout.num_ps
 
     @property
     def group_shards(self) -> tuple[tuple[Shard, ...], ...]:
         """The `Shard`s of every group."""
-        return tuple(tuple(self.plan.shards[j] for j in group) for group in self.groups)
+        return tuple(self.layout.shards(g) for g in range(len(self.groups)))
 
     def ps_of_group(self, g: int) -> int:
-        return self.ps_of_shard[self.groups[g][0]]
+        return self.layout.ps_of_group[g]
 
 
 class Progress:

@@ -21,6 +21,7 @@ import dataclasses
 import time
 
 from dsgd import constants
+from dsgd.comm import ps_client
 from dsgd.comm.means import group_means
 from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
@@ -53,6 +54,10 @@ class StepResult:
         background, the step completed without them).
     dropped_rows: (slot, rows or None) of each batch left out of the mean, for the
         loop to count with the step.
+    halted: not applied: a non-finite gradient under on_nonfinite="raise" with
+        several workers (the loop raises NonFiniteError; nothing is counted).
+    failure: an actor died or hung (or a PS ended the exchange) after the
+        results before this one were applied: the loop recovers from it.
     """
 
     infos: list[dict] | None
@@ -66,6 +71,8 @@ class StepResult:
     dropped: list[int] = dataclasses.field(default_factory=list)
     dead: list[int] = dataclasses.field(default_factory=list)
     dropped_rows: list = dataclasses.field(default_factory=list)
+    halted: bool = False
+    failure: BaseException | None = None
 
 
 class ExchangeStep:
@@ -275,7 +282,7 @@ class ExchangeStep:
                                         f"{self.label}: writing shard group {g}", self.time_left())
             if config.strategy == "ps":
                 ps = self.actors.ps[topology.ps_of_group(g)]
-                mean_refs.append(ps.mean.remote(shards, *refs))
+                mean_refs.append(ps_client.relayed_mean(ps, shards, refs))
                 grad_refs.append(refs)
                 self._means.append((mean_refs[-1], ps))
             else:
@@ -444,13 +451,22 @@ class LocalSteps:
         return results
 
 
+def workers_exchange(config: Config, num_workers: int) -> bool:
+    """Whether steps go through the workers' own exchange (WorkerSteps): strategy
+    "ps", several workers, no backup workers, and `worker_exchange`."""
+    return (config.worker_exchange and config.strategy == "ps" and num_workers > 1
+            and config.backup_workers == 0)
+
+
 def per_group(config: Config, topology: Topology, actors: ActorSet) -> bool:
-    """Whether steps apply each PS group's mean as it arrives: strategy "ps", more
-    than one group, optimizers that allow it (Replicas.per_group_blocker), every
-    worker on one node, and `apply_per_group`. One node: a worker computes a dead
-    PS's mean from the workers' gradient objects, which outlive their processes
-    there; a lost node takes its workers' objects with it, and survivors that
-    had begun to apply could neither finish nor undo."""
+    """Whether steps apply each PS group's mean as it arrives: the driver-relayed
+    exchange of strategy "ps" (not `workers_exchange`), more than one group,
+    optimizers that allow it (Replicas.per_group_blocker), every worker on one
+    node, and `apply_per_group`. One node: a worker computes a dead PS's mean
+    from the workers' gradient objects, which outlive their processes there; a
+    lost node takes its workers' objects with it, and survivors that had begun
+    to apply could neither finish nor undo."""
     return (config.apply_per_group and config.strategy == "ps" and len(topology.groups) > 1
+            and not workers_exchange(config, actors.num_workers)
             and topology.per_group_blocker is None
             and len({actors.info(s)["node_id"] for s in actors.slots}) == 1)

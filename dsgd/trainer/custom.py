@@ -24,23 +24,23 @@ did not arrive, so that the driver replaces them and runs the epoch again.
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 
-from dsgd.errors import NonFiniteError, StepTimeoutError
+from dsgd.errors import NonFiniteError
 
 
 class CustomSteps:
     """`TrainingOperator.train_step` inside a custom `train_epoch` (one per call)."""
 
     def __init__(self, worker, ctx: dict):
+        from dsgd.comm.ps_client import PSClient
+
         self.worker, self.replicas = worker, worker.replicas
-        self.rank, self.world = ctx["rank"], ctx["world"]
-        self.ps, self.groups, self.ps_of_group = ctx["ps"], ctx["groups"], ctx["ps_of_group"]
-        self.peers = ctx["peers"]
-        self.timeout_s = ctx["timeout_s"]
-        self.sequence = itertools.count(ctx["seq_base"])
+        self.world, self.layout = ctx["world"], ctx["layout"]
+        self.client = PSClient(ctx["ps"], [f"PS {j}" for j in range(len(ctx["ps"]))],
+                               ctx["rank"], ctx["world"], ctx["timeout_s"],
+                               "custom train_epoch", seq_base=ctx["seq_base"], peers=ctx["peers"])
         self.steps = self.samples = 0
 
     def step(self, batch) -> dict:
@@ -62,7 +62,11 @@ class CustomSteps:
                                      "holds NaN/Inf; the update was applied (one worker)")
         else:
             losses, finite, flat, metrics = replicas.compute(parts)
-            means = self._exchange(replicas.shard_pieces(flat))
+            # A dead peer ends the wait at once (ActorDiedError, which the driver's
+            # policy recovers from: the epoch runs again on the new group); a hung one
+            # after step_timeout_s (StepTimeoutError naming it).
+            means = self.client.reduce_pieces(self.layout, replicas.shard_pieces(flat),
+                                              label=f"step {self.steps + 1}")
             if replicas.check_finite and not _all_finite(means):
                 if not replicas.gate_apply:  # every worker sees the same mean: all raise
                     raise NonFiniteError(f"custom train_epoch, step {self.steps + 1}: the mean "
@@ -78,90 +82,6 @@ class CustomSteps:
         out.update({k: float(np.mean(v.numpy())) for k, v in metrics.items()})
         out["num_samples"] = rows
         return out
-
-    def _exchange(self, pieces: list) -> list:
-        import ray
-
-        plan = self.replicas.plan
-        seq = next(self.sequence)
-        refs = []
-        for g, group in enumerate(self.groups):
-            shards = tuple(plan.shards[j] for j in group)
-            part = ray.put(tuple(piece for j in group for piece in pieces[j]))
-            refs.append(self.ps[self.ps_of_group[g]].reduce.remote(seq, self.rank, self.world,
-                                                                   shards, part, None))
-        answers = self._wait(refs, seq)
-        result_refs = [a[0] for a in answers]
-        results = self._wait(result_refs, seq)
-        means: list = [None] * plan.num_shards
-        for group, arrays in zip(self.groups, results):
-            for j, array in zip(group, arrays):
-                means[j] = array
-        return means
-
-    def _wait(self, refs: list, seq: int) -> list:
-        """The answers of the PS calls of step `seq`; ends early when a peer worker died,
-        after `timeout_s` naming who did not arrive."""
-        import ray
-
-        from dsgd.comm.waits import actor_died_errors
-
-        pings = None
-        start = time.monotonic()
-        pending = list(refs)
-        while pending:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
-            if not pending:
-                break
-            if pings is None:  # a busy peer answers after its epoch; a dead one at once
-                pings = {r: p.ping.remote() for r, p in enumerate(self.peers) if r != self.rank}
-            for r, ping in pings.items():
-                ready, _ = ray.wait([ping], timeout=0)
-                if ready:
-                    try:
-                        ray.get(ping, timeout=1.0)
-                    except actor_died_errors():
-                        raise _peer_died(f"custom train_epoch, step {self.steps + 1}: worker "
-                                         f"{r} died") from None
-            if time.monotonic() - start > self.timeout_s:
-                raise self._timeout(refs, pending, seq)
-        try:
-            return ray.get(list(refs), timeout=self.timeout_s)
-        except actor_died_errors():
-            raise _peer_died(f"custom train_epoch, step {self.steps + 1}: a PS actor "
-                             "died") from None
-
-    def _timeout(self, refs: list, pending: list, seq: int) -> StepTimeoutError:
-        import ray
-
-        late_ps = sorted({self.ps_of_group[refs.index(r)] for r in pending}) \
-            if len(refs) == len(self.groups) else []
-        missing: set[int] = set()
-        asked = [self.ps[j].missing_ranks.remote("reduce", seq) for j in range(len(self.ps))
-                 if j not in late_ps]
-        if asked:
-            ready, _ = ray.wait(asked, num_returns=len(asked), timeout=1.0)
-            for ref in ready:
-                try:
-                    missing.update(ray.get(ref))
-                except Exception:  # noqa: BLE001 - a dead PS names itself elsewhere
-                    pass
-        missing.discard(self.rank)
-        who = [f"worker {r}" for r in sorted(missing)] + [f"PS {j}" for j in late_ps]
-        return StepTimeoutError(
-            f"custom train_epoch, step {self.steps + 1}: no mean after {self.timeout_s:.1f} s; "
-            f"not arrived: {', '.join(who) or 'unknown'}", late_workers=sorted(missing),
-            late_ps=late_ps)
-
-
-def _peer_died(what: str) -> Exception:
-    """An actor of the exchange died: reported as Ray's ActorDiedError, so that the
-    driver recovers (replaces it) and runs the epoch again on the new group."""
-    from ray.exceptions import ActorDiedError
-
-    error = ActorDiedError()
-    error.add_note(what + "; the epoch is run again on the new group")
-    return error
 
 
 def _all_finite(means: list) -> bool:

@@ -288,13 +288,11 @@ class Trainer:
                                                 "saving its starting state")[0])
 
         def contexts():
-            workers, groups = self.sgd.workers, self.sgd.shard_groups
-            assignment = self.sgd.ps_assignment
+            workers = self.sgd.workers
             sources = self._train_sources(data, num_steps, len(workers))
             base = next(self._exchange_runs) * 10**9
             return [{"rank": r, "world": len(workers), "peers": workers,
-                     "ps": self.sgd.ps_actors, "groups": groups,
-                     "ps_of_group": [assignment[g[0]] for g in groups] if assignment else [],
+                     "ps": self.sgd.ps_actors, "layout": self.sgd.exchange_layout,
                      "timeout_s": self.sgd.step_timeout_s, "seq_base": base, "source": source}
                     for r, source in enumerate(sources)]
 

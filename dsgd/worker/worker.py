@@ -50,7 +50,8 @@ class Worker:
         self.applied_steps = 0
         self._gc_frozen = False
         self._loaders: dict = {}  # data feed key -> loader (dsgd/data/feeds.py)
-        self._halted_run = None  # local_steps: the run a non-finite gradient stopped
+        self._halted_run = None  # local_steps, exchange_steps: the run that was stopped
+        self._exchange = None  # (PSClient, layout, on_nonfinite) after join()
         self.replicas = Replicas(model_creator, worker_index, devices_per_worker, gpu,
                                  all_reduce_alg)
 
@@ -167,6 +168,111 @@ class Worker:
                 self._halted_run = run
                 break
         return infos
+
+    def join(self, rank: int, peers: list, ps: list, ps_names: list[str], layout,
+             timeout_s: float, on_nonfinite: str) -> None:
+        """Take part in the worker-driven exchange (`exchange_steps`) as worker
+        `rank` of `peers` (every worker's handle, in rank order) through the PS
+        actors `ps` laid out as `layout`. The driver calls it after start-up and
+        after every change of workers or PS actors."""
+        from dsgd.comm.ps_client import PSClient
+
+        self._exchange = (PSClient(ps, ps_names, rank, len(peers), timeout_s,
+                                   f"worker {self.worker_index}", peers=peers),
+                          layout, on_nonfinite)
+
+    def exchange_steps(self, datas: list, seqs: list[int], run: int) -> list[dict]:
+        """Synchronous steps with every other worker, exchanged by this worker
+        itself through the PS actors (`join`): for each step, the gradient,
+        averaged across local replicas, goes to the PS actors group by group with
+        this worker's meta (dsgd/comm/commit.py); every worker reads the same
+        means and metas back, decides the step alike (apply, skip, halt, epoch
+        end) and applies the means before the next step. `seqs[i]` numbers step
+        i's exchange (the same on every worker).
+
+        Returns one report per step run, as `local_step`'s plus `exchange_s`,
+        `apply_s`, `nonfinite` (every worker's non-finite (slot, replica)) and
+        `decision`; fewer than asked at an epoch's end, after a halting
+        non-finite step, at a step that raised (then a last {"error": e}), or
+        when the exchange failed (a dead or hung peer or PS: a last
+        {"failure": e}; nothing of that step was applied here). After a halt,
+        an error or a failure, later calls of the same `run` return [] at once:
+        steps queued behind it must not run. Blocks; each exchange waits at
+        most the `join` timeout."""
+        from dsgd.comm.waits import actor_died_errors
+        from dsgd.errors import ExchangeAbandoned, StepTimeoutError
+
+        if run == self._halted_run:
+            return []
+        infos = []
+        for data, seq in zip(datas, seqs):
+            try:
+                info = self._exchange_step(data, seq)
+            except (*actor_died_errors(), StepTimeoutError, ExchangeAbandoned) as e:
+                self._halted_run = run
+                infos.append({"failure": _picklable(e),
+                              "abandoned": isinstance(e, ExchangeAbandoned)})
+                break
+            except Exception as e:
+                self._halted_run = run
+                if not infos:
+                    raise
+                e.add_note(f"(worker {self.worker_index}, step {len(infos) + 1} of a call of "
+                           f"{len(datas)} steps; the {len(infos)} before it were applied)")
+                infos.append({"error": _picklable(e)})
+                break
+            infos.append(info)
+            if info.get("epoch_end"):
+                break
+            if info["decision"] == "halt":
+                self._halted_run = run
+                break
+        return infos
+
+    def _exchange_step(self, data, seq: int) -> dict:
+        from dsgd.comm import commit
+
+        client, layout, on_nonfinite = self._exchange
+        start = time.perf_counter()
+        label = f"step {self.applied_steps + 1}"
+        try:
+            batches, samples = self._batches(data)
+            data_s = time.perf_counter() - start
+            computed = self.replicas.compute(batches) if batches is not None else None
+        except Exception as e:
+            # Tell the other workers (no gradient, this error) so that they stop now
+            # rather than wait for this worker's gradient until they time out.
+            try:
+                client.step(layout, None, commit.meta(self.worker_index, None, None, e), seq,
+                            label)
+            except Exception:  # noqa: BLE001 - this worker's own error is the one to report
+                pass
+            raise
+        if batches is None:
+            means, metas = client.step(layout, None, commit.meta(self.worker_index, None, None),
+                                       seq, label)
+            commit.decide(metas, on_nonfinite)  # raises unless every worker's epoch ended
+            return {"epoch_end": True}
+        losses, finite, flat_grads, metrics = computed
+        pieces = self.replicas.shard_pieces(flat_grads)
+        finite = finite.numpy().tolist()
+        report = {"losses": losses.numpy().tolist(), "finite": finite,
+                  "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
+                  "samples": samples, "data_s": data_s}
+        sent = time.perf_counter()
+        report["compute_s"] = sent - start
+        means, metas = client.step(layout, pieces, commit.meta(self.worker_index, finite,
+                                                               list(metrics)), seq, label)
+        decision = commit.decide(metas, on_nonfinite)
+        exchanged = time.perf_counter()
+        if decision.action == commit.APPLY:
+            self.replicas.apply(means)
+            self.applied_steps += 1
+            self._freeze_gc_once()
+        report.update(exchange_s=exchanged - sent, apply_s=time.perf_counter() - exchanged,
+                      applied=decision.action == commit.APPLY, decision=decision.action,
+                      nonfinite=list(decision.nonfinite))
+        return report
 
     def compute(self, groups: tuple[tuple[int, ...], ...], data=None):
         """This step's gradients, averaged across local replicas, streamed group by

@@ -1,0 +1,292 @@
+"""The worker side of an exchange through PS actors: the one client of
+`ParameterServer`'s rendezvous methods (dsgd/comm/param_server.py).
+
+Every front-end whose workers exchange by themselves holds one `PSClient` per
+worker: the engine's workers (dsgd/worker/worker.py `exchange_steps`), the Ray
+Train backend (dsgd/train/exchange.py) and the Trainer's custom epochs
+(dsgd/trainer/custom.py). The driver's few PS calls (giving up an attempt, stall
+reports, the relayed exchange of backup workers) are the functions at the end. A client numbers its exchanges (one
+counter from a base; every worker makes the same calls in the same order, so
+the PS matches them by number), puts each group of gradient pieces in the
+object store once, calls its PS, waits with a deadline, and reads the mean.
+
+Failures are named, never waited out in silence:
+- a PS actor that died: Ray's `ActorDiedError`, with a note naming the PS;
+- a peer worker that died (when the client knows its peers): the same, naming
+  the worker, as soon as a ping finds it (the PS would otherwise wait for it
+  until its rendezvous timeout);
+- nobody dead but no answer after `timeout_s`: `StepTimeoutError` naming the
+  workers that did not arrive (by position, `late_workers`) and the PS actors
+  that did not answer (`late_ps`), asked of the PS actors themselves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from dsgd.comm.sharding import ExchangeLayout, to_wire
+from dsgd.comm.waits import actor_died_errors
+from dsgd.errors import StepTimeoutError
+
+# While waiting, how often the client looks at its peers (seconds).
+POLL_S = 1.0
+
+
+def sequence_number(attempt: int, step: int) -> int:
+    """The number of step `step`'s exchange in attempt `attempt` (a step retried
+    after a failure is a new attempt): a PS ends the pending exchanges of older
+    attempts when a newer one's arrives (dsgd/comm/param_server.py)."""
+    from dsgd.comm.param_server import ATTEMPT_SHIFT
+
+    return (attempt << ATTEMPT_SHIFT) | step
+
+
+class PSClient:
+    """One worker's exchanges with the PS actors.
+
+    Args:
+        ps: the PS actor handles, by PS index.
+        names: their names, for errors.
+        rank: this worker's position among the `world` workers of the exchange.
+        world: how many workers take part in every exchange.
+        timeout_s: longest wait for one exchange, in seconds.
+        what: names the exchanges in errors ("dsgd.train", "custom train_epoch").
+        seq_base: the first exchange number (exchanges of another attempt start
+            elsewhere, so that a PS never matches them with an older one's).
+        peers: the other workers' actor handles by position (None: not watched;
+            the PS's own rendezvous timeout then names a dead peer).
+    """
+
+    def __init__(self, ps: Sequence, names: Sequence[str], rank: int, world: int,
+                 timeout_s: float, what: str, seq_base: int = 0, peers: Sequence | None = None):
+        self.ps, self.names = list(ps), list(names)
+        self.rank, self.world, self.timeout_s, self.what = rank, world, timeout_s, what
+        self.peers = list(peers) if peers is not None else None
+        self._sequence = itertools.count(seq_base)
+        self._lock = threading.Lock()  # a Ray Train worker may call from several threads
+
+    def next_seq(self) -> int:
+        """The next exchange number (every exchange takes one, on every worker alike)."""
+        with self._lock:
+            return next(self._sequence)
+
+    def reduce(self, layout: ExchangeLayout, flat: Sequence[np.ndarray],
+               scale: float | None = None, label: str | None = None) -> list[np.ndarray]:
+        """The mean over every worker (or `scale` times the sum; 1.0: the sum) of
+        this worker's flattened arrays `flat` (one per variable of
+        `layout.plan`), one array per shard of the plan in its layout (zero
+        padding between pieces). Each group travels as one object to its PS;
+        the results are read-only views of the objects the PS actors put
+        (each keeps its object alive). Blocks, at most `timeout_s`. `label`
+        names the exchange in errors (default "exchange <number>")."""
+        plan = layout.plan
+        pieces = [[to_wire(flat[p.var_index][p.var_offset:p.var_offset + p.length], s.dtype)
+                   for p in s.pieces] for s in plan.shards]
+        return self.reduce_pieces(layout, pieces, scale, label)
+
+    def reduce_pieces(self, layout: ExchangeLayout, pieces: Sequence[Sequence[np.ndarray]],
+                      scale: float | None = None, label: str | None = None) -> list[np.ndarray]:
+        """`reduce` of arrays already cut as the plan says: `pieces[j]` holds shard
+        j's pieces in wire dtype (the worker's compiled step makes them so)."""
+        return self._exchange(layout, pieces, self.next_seq(), scale, None, label)[0]
+
+    def step(self, layout: ExchangeLayout, pieces: Sequence[Sequence[np.ndarray]] | None,
+             meta: dict, seq: int, label: str) -> tuple[list[np.ndarray] | None, list[dict]]:
+        """One engine step's exchange, numbered `seq` (`sequence_number`): the mean
+        of every shard as `reduce_pieces` returns it, and every worker's `meta`
+        (rank order), which each PS receives with the gradients. `pieces=None`
+        (this worker's data ended its epoch) sends no gradient: the means are
+        then None. Blocks, at most `timeout_s`."""
+        return self._exchange(layout, pieces, seq, None, meta, label)
+
+    def _exchange(self, layout, pieces, seq: int, scale, meta, label):
+        import ray
+
+        label = label or f"exchange {seq}"
+        refs, owners = [], []
+        for g, group in enumerate(layout.groups):
+            # One object per group (pickle 5 copies each piece once into its place in
+            # the store buffer): Ray's cost per object would dominate one per piece.
+            part = None if pieces is None else \
+                ray.put(tuple(piece for j in group for piece in pieces[j]))
+            ps = layout.ps_of_group[g]
+            refs.append(self.ps[ps].reduce.remote(seq, self.rank, self.world, layout.shards(g),
+                                                  part, scale, meta))
+            owners.append(ps)
+        # Each PS answers with the ref of its group's result, put once for all workers;
+        # reading it maps the store (no copy).
+        answers = self._wait(refs, owners, seq, label)
+        results = self._wait([a[0] for a in answers], owners, seq, label)
+        metas = None
+        if meta is not None:
+            metas = results[0][1]
+            results = [r[0] for r in results]
+        if any(r is None for r in results):
+            return None, metas
+        means: list = [None] * layout.plan.num_shards
+        for group, arrays in zip(layout.groups, results):
+            for j, array in zip(group, arrays):
+                means[j] = array
+        return means, metas
+
+    def broadcast(self, value, root: int, label: str | None = None):
+        """Rank `root`'s `value` (any picklable value; the others pass anything),
+        on every worker, through PS 0. Blocks, at most `timeout_s`."""
+        seq = self.next_seq()
+        label = label or f"broadcast {seq}"
+        ref = self.ps[0].broadcast.remote(seq, self.rank, self.world, root,
+                                          value if self.rank == root else None)
+        return self._wait([ref], [0], seq, label, kind="broadcast")[0]
+
+    def gather(self, value, label: str | None = None) -> list:
+        """Every worker's `value`, in rank order, on every worker, through PS 0."""
+        seq = self.next_seq()
+        label = label or f"allgather {seq}"
+        ref = self.ps[0].gather.remote(seq, self.rank, self.world, value)
+        return self._wait([ref], [0], seq, label, kind="gather")[0]
+
+    def warm_store(self, nbytes: int) -> None:
+        """Every PS warms `nbytes` of its store mapping (dsgd/comm/store.py); blocks."""
+        refs = [ps.warm_store.remote(nbytes) for ps in self.ps]
+        self._wait(refs, list(range(len(refs))), None, "warming the store")
+
+    # -- waiting ---------------------------------------------------------------------------
+    def _wait(self, refs: list, owners: list[int], seq: int | None, label: str,
+              kind: str = "reduce") -> list:
+        """The answers of `refs` (owner PS indices `owners`): ends at once when a PS or
+        (with peers) a peer worker died, after `timeout_s` naming who did not
+        arrive. The PS's own rendezvous timeout is `timeout_s` too; its error
+        naming the missing ranks may come first."""
+        import ray
+
+        start = time.monotonic()
+        pending = list(refs)
+        # One ping in flight per peer: a busy peer answers after its current call, a
+        # dead one at once; an answered ping is sent again, so a peer that dies later
+        # in the wait is found too.
+        pings: dict = {}
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            if not pending:
+                break
+            if self.peers is not None:
+                for r, peer in enumerate(self.peers):
+                    if r != self.rank and r not in pings:
+                        pings[r] = peer.ping.remote()
+                for r, ping in list(pings.items()):
+                    ready, _ = ray.wait([ping], timeout=0)
+                    if ready:
+                        try:
+                            ray.get(ping, timeout=POLL_S)
+                        except actor_died_errors():
+                            raise died(f"{self.what} {label}: worker {r} died") from None
+                        except Exception:  # noqa: BLE001 - alive (its call failed): ask again
+                            pass
+                        del pings[r]
+            if time.monotonic() - start > self.timeout_s:
+                raise self._timeout(refs, owners, pending, seq, label, kind)
+        try:
+            return ray.get(list(refs), timeout=max(1.0, self.timeout_s))
+        except actor_died_errors() as e:
+            dead = _dead(refs, owners)
+            who = ", ".join(self.names[j] for j in dead) or "a PS actor"
+            raise died(f"{self.what} {label}: PS actor {who} died ({type(e).__name__})",
+                       ps=dead) from None
+        except ray.exceptions.RayTaskError as e:
+            if not isinstance(e.cause, TimeoutError):
+                raise
+            # The PS's rendezvous timed out first: the same StepTimeoutError as ours.
+            raise self._timeout(refs, owners, list(refs), seq, label, kind) from None
+
+    def _timeout(self, refs: list, owners: list[int], pending: list, seq: int | None,
+                 label: str, kind: str) -> StepTimeoutError:
+        """Who did not arrive: the PS actors whose answer is pending but which hold
+        every part (hung), and the workers that the other PS actors still miss."""
+        import ray
+
+        late_ps = sorted({owners[refs.index(r)] for r in pending})
+        missing: set[int] = set()
+        if seq is not None:
+            asked = {j: self.ps[j].missing_ranks.remote(kind, seq) for j in late_ps}
+            ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=POLL_S)
+            for j, ref in asked.items():
+                if ref in ready:
+                    try:
+                        absent = ray.get(ref)
+                    except Exception:  # noqa: BLE001 - a PS that cannot say stays named
+                        continue
+                    if absent:  # the PS waits for workers: they are late, not it
+                        missing.update(absent)
+                        late_ps.remove(j)
+        missing.discard(self.rank)
+        who = [f"worker {r}" for r in sorted(missing)] + [self.names[j] for j in late_ps]
+        return StepTimeoutError(
+            f"{self.what} {label}: no answer after {self.timeout_s:.1f} s; not arrived: "
+            f"{', '.join(who) or 'unknown'}", late_workers=sorted(missing), late_ps=late_ps)
+
+
+def died(what: str, ps: Sequence[int] = ()) -> Exception:
+    """An actor of the exchange died: Ray's `ActorDiedError` with `what` as a note
+    (the driver's policy recovers from it as from any death) and the dead PS
+    indices in `dead_ps`."""
+    from ray.exceptions import ActorDiedError
+
+    error = ActorDiedError()
+    error.add_note(what)
+    error.dead_ps = list(ps)
+    return error
+
+
+def _dead(refs: list, owners: list[int]) -> list[int]:
+    """The owners (PS indices) whose refs failed because their actor died, each once."""
+    import ray
+
+    dead = []
+    for ref, owner in zip(refs, owners):
+        try:
+            ray.get(ref, timeout=0.1)
+        except actor_died_errors():
+            if owner not in dead:
+                dead.append(owner)
+        except Exception:  # noqa: BLE001 - only the dead ones are named
+            pass
+    return dead
+
+
+def relayed_mean(ps, shards, refs: Sequence):
+    """(driver side, the relayed exchange of backup workers: dsgd/engine/step.py
+    `ExchangeStep`) PS `ps`'s mean of the shard group `shards` over the
+    contributors' group objects `refs` (one ObjectRef per contributor, resolved
+    by Ray into read-only store views on the PS). Does not wait; returns the
+    ref of the result (a tuple, one array per shard)."""
+    return ps.mean.remote(shards, *refs)
+
+
+def abandon(ps: Sequence, attempt: int) -> list:
+    """(driver side) Tell every live PS in `ps` to give up the exchanges of
+    `attempt` and older (a failure was found): workers waiting in them return at
+    once. Does not wait; returns the calls' refs."""
+    return [p.abandon.remote(attempt) for p in ps if p is not None]
+
+
+def waiting(ps: Sequence, timeout_s: float) -> dict[int, set[int]]:
+    """(driver side) {exchange number: ranks not arrived} over every live PS in
+    `ps`, for the exchanges some worker waits in; PS actors that do not answer
+    within `timeout_s` are left out. Blocks, at most `timeout_s`."""
+    import ray
+
+    refs = [p.waiting.remote() for p in ps if p is not None]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    missing: dict[int, set[int]] = {}
+    for ref in ready:
+        try:
+            for seq, ranks in ray.get(ref).items():
+                missing.setdefault(seq, set()).update(ranks)
+        except Exception:  # noqa: BLE001 - a PS that cannot say is named by the timeout
+            pass
+    return missing

@@ -1,0 +1,242 @@
+"""`WorkerSteps`: steps of several workers that exchange by themselves (driver side).
+
+Under strategy "ps" every worker runs `Worker.exchange_steps`: it computes its
+gradient, sends each group to its PS through its own `PSClient`, reads every
+mean back, decides the step with every other worker alike
+(dsgd/comm/commit.py) and applies it, step after step. The driver starts one
+call of up to `size` steps per worker and reads one list of small reports per
+worker per call: its work per step is O(N / size) calls and reports, and
+nothing per PS or per gradient group (the driver-relayed `ExchangeStep` made
+O(N * P) stream items, P calls and N applies per step).
+
+When something fails (a worker or PS died, a peer hung, a worker's step
+raised), the workers that notice stop with what they applied reported; the
+driver tells the PS actors to give up the attempt (`ps_client.abandon`), so
+that the workers still waiting in it return at once, collects what every
+worker applied, and hands the failure to the loop's recovery. A step is
+counted once every surviving worker reports it applied (or skipped).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from dsgd.comm import ps_client
+from dsgd.comm.waits import actor_died_errors
+from dsgd.config import Config
+from dsgd.engine.actors import ActorSet
+from dsgd.engine.step import StepResult
+from dsgd.errors import DsgdError, StepTimeoutError
+
+logger = logging.getLogger("dsgd")
+
+# After a failure is known, how long the driver still waits for the other workers'
+# reports (they return at once once the attempt is abandoned; one that does not is hung).
+FAILURE_GRACE_S = 5.0
+
+
+class Attempts:
+    """The attempt that exchange numbers belong to (dsgd/comm/ps_client.py
+    `sequence_number`): a new one whenever the driver gives one up, so that the
+    steps retried after a failure never meet the parts of the failed attempt."""
+
+    def __init__(self):
+        self.current = 1
+
+    def give_up(self, ps: list) -> None:
+        """Have the PS actors `ps` end the current attempt's exchanges (the workers
+        waiting in them return at once) and start a new attempt. Does not wait."""
+        ps_client.abandon(ps, self.current)
+        self.current += 1
+
+
+class WorkerSteps:
+    """Up to `size` steps of every worker in one `exchange_steps` call each.
+    `datas[i][k]`: worker k's data argument for step i (None: get_batch);
+    `seqs[i]`: step i's exchange number (in `attempts.current`)."""
+
+    exchanges = False  # nothing for the driver to do between a step's compute and apply
+
+    def __init__(self, config: Config, actors: ActorSet, datas: list[list], seqs: list[int],
+                 attempts: Attempts, run_id: int, first_number: int):
+        self.config, self.actors = config, actors
+        self.datas, self.seqs, self.attempts, self.run_id = datas, seqs, attempts, run_id
+        self.attempt = attempts.current
+        self.label = (f"step {first_number}" if len(seqs) == 1
+                      else f"steps {first_number}-{first_number + len(seqs) - 1}")
+        self.workers = actors.workers
+        self.start = self._clock = time.perf_counter()
+        self._refs: list | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.seqs)
+
+    def submit(self) -> WorkerSteps:
+        self._refs = [w.exchange_steps.remote([d[k] for d in self.datas], self.seqs, self.run_id)
+                      for k, w in enumerate(self.workers)]
+        return self
+
+    def started(self) -> None:
+        """Its steps begin now (the call before it has ended): restart both clocks."""
+        self.start = self._clock = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        """The driver waits for this call from now on (see ExchangeStep.restart_clock)."""
+        self._clock = time.perf_counter()
+
+    @property
+    def applies_pending(self) -> bool:
+        return self._refs is not None
+
+    def membership(self) -> dict:
+        return {}
+
+    def finish(self) -> list[StepResult]:
+        """One result per step every surviving worker ran (blocks, at most
+        step_timeout_s per step, or FAILURE_GRACE_S past a failure); a last
+        result with `failure` when an actor died or hung, or the error of a step
+        that raised after the steps before it were applied (raised here when
+        none was)."""
+        outcome, pending = self._collect()
+        step_s = (time.perf_counter() - self.start) / max(1, self.size)
+        failure = self._failure(outcome, pending)
+        reports = {k: out for k, out in outcome.items() if isinstance(out, list)}
+        errors = [out for out in outcome.values() if not isinstance(out, list)]
+        if failure is None and errors:
+            raise _first(errors)  # the first step of every worker raised: nothing applied
+        results = []
+        for i in range(self.size if reports else 0):
+            rows = [out[i] if i < len(out) else None for out in reports.values()]
+            if any(r is None or "failure" in r for r in rows):
+                break
+            raised = [r["error"] for r in rows if "error" in r]
+            if raised:
+                results.append(StepResult(None, [], len(self.workers), error=_first(raised)))
+                return results
+            if any(r.get("epoch_end") for r in rows):
+                results.append(StepResult(rows, [], len(self.workers), epoch_end=True))
+                return results
+            rows = [reports[k][i] for k in sorted(reports)]
+            decision = rows[0]["decision"]
+            applied = [{"apply_s": r["apply_s"], "exchange_s": r["exchange_s"],
+                        "step_s": step_s} for r in rows]
+            if decision == "halt":
+                results.append(StepResult(rows, applied, len(self.workers), halted=True))
+                return results
+            results.append(StepResult(rows, applied, len(self.workers),
+                                      skipped=decision != "apply", step_s=step_s))
+        if failure is not None:
+            results.append(StepResult(None, [], len(self.workers), failure=failure))
+        elif len(results) < self.size and not any(r.epoch_end for r in results):
+            raise DsgdError(f"{self.label}: the workers ran {len(results)} of {self.size} steps "
+                            "and named no failure (an exchange of a given-up attempt?)")
+        return results
+
+    def _collect(self) -> tuple[dict, list]:
+        """Every worker's reports (or the exception its call raised), by position;
+        and the positions still pending: hung, or past the grace after a failure."""
+        import ray
+
+        refs, self._refs = self._refs, None
+        died = actor_died_errors()
+        index = {ref.hex(): k for k, ref in enumerate(refs)}
+        outcome: dict[int, object] = {}
+        pending = list(refs)
+        # The workers' own waits end first (and name who did not arrive).
+        deadline = self._clock + self.config.step_timeout_s * self.size + FAILURE_GRACE_S
+        abandoned_at = None
+        while pending:
+            now = time.perf_counter()
+            end = deadline if abandoned_at is None else min(deadline, abandoned_at + FAILURE_GRACE_S)
+            if now >= end:
+                break
+            ready, pending = ray.wait(pending, num_returns=len(pending),
+                                      timeout=min(end - now, self.config.stall_report_s))
+            for ref in ready:
+                k = index[ref.hex()]
+                try:
+                    outcome[k] = ray.get(ref, timeout=self.config.step_timeout_s)
+                except died as e:
+                    outcome[k] = e
+                except Exception as e:  # noqa: BLE001 - the worker's own error, reported
+                    outcome[k] = e
+            if abandoned_at is None and any(_failed(out) for out in outcome.values()):
+                # Workers still waiting in this attempt's exchanges return now.
+                if self.attempts.current == self.attempt:
+                    self.attempts.give_up(self.actors.ps)
+                abandoned_at = time.perf_counter()
+            if pending and abandoned_at is None:
+                self.actors.check_open(self.label)
+                self._stall_report(pending, index, time.perf_counter() - self._clock)
+        return outcome, sorted(index[ref.hex()] for ref in pending)
+
+    def _stall_report(self, pending: list, index: dict, waited_s: float) -> None:
+        """Log which workers the others wait for in the exchange (the PS actors know),
+        or, when none waits there, which calls are still running."""
+        numbers = dict(zip(self.seqs, range(self.size)))
+        waits = {seq: ranks for seq, ranks in
+                 ps_client.waiting(self.actors.ps, self.config.stall_report_s).items()
+                 if seq in numbers}
+        first = self.label.split()[1].split("-")[0]
+        if waits:
+            seq = min(waits, key=numbers.get)
+            late = sorted(waits[seq])
+            step = int(first) + numbers[seq]
+            logger.warning("stall: step %d: %s ha%s not reached the exchange after %.0f s "
+                           "(%d of %d waiting in it); StepTimeoutError after %.0f s", step,
+                           ", ".join(self.actors.name(self.workers[r]) for r in late),
+                           "s" if len(late) == 1 else "ve", waited_s,
+                           len(self.workers) - len(late), len(self.workers),
+                           self.config.step_timeout_s)
+            return
+        running = sorted(self.actors.name(self.workers[index[r.hex()]]) for r in pending)
+        logger.warning("stall: %s: %s still running after %.0f s", self.label,
+                       ", ".join(running), waited_s)
+
+    def _failure(self, outcome: dict, pending: list[int]) -> BaseException | None:
+        """The failure to recover from: a dead worker, else a dead PS, else the
+        workers or PS named hung (the pending calls' workers included), or None."""
+        died = actor_died_errors()
+        dead = [e for e in outcome.values() if isinstance(e, died)]
+        if dead:
+            return dead[0]
+        failures = [r[-1]["failure"] for r in outcome.values()
+                    if isinstance(r, list) and r and "failure" in r[-1] and not r[-1]["abandoned"]]
+        dead_ps = [e for e in failures if isinstance(e, died)]
+        if dead_ps:
+            return dead_ps[0]
+        late_ranks = sorted({r for e in failures if isinstance(e, StepTimeoutError)
+                             for r in e.late_workers} | set(pending))
+        late_ps = sorted({j for e in failures if isinstance(e, StepTimeoutError)
+                          for j in e.late_ps})
+        if late_ranks or late_ps or failures:
+            late = [self.workers[r] for r in late_ranks if r < len(self.workers)]
+            late += [self.actors.ps[j] for j in late_ps
+                     if j < len(self.actors.ps) and self.actors.ps[j] is not None]
+            who = [self.actors.name(h) for h in late]
+            cause = failures[0] if failures else None
+            return StepTimeoutError(
+                f"{self.label}: no answer after {self.config.step_timeout_s:.1f} s from "
+                f"{', '.join(who) or 'an actor of the exchange'}"
+                + (f" ({cause})" if cause is not None else ""), late)
+        if any(_failed(out) for out in outcome.values()):
+            # Only abandoned exchanges: the failure that caused it was a worker's error.
+            return None
+        return None
+
+
+def _failed(out) -> bool:
+    """A worker's outcome that ends the attempt: its call raised, or it stopped at
+    a failed exchange or a step that raised."""
+    if not isinstance(out, list):
+        return True
+    return bool(out) and ("failure" in out[-1] or "error" in out[-1])
+
+
+def _first(errors: list) -> BaseException:
+    """The error to report among the workers' errors of one step: a worker's own
+    (its step raised) before the others' DsgdError naming it."""
+    own = [e for e in errors if not isinstance(e, DsgdError) or "step raised" not in str(e)]
+    return (own or errors)[0]
