@@ -93,3 +93,15 @@ def test_loss_in_a_driver_call_still_obeys_max_failures_and_room():
     assert not action.recover and "max_failures=3" in action.reason
     action = decide(status([(0, True, 5), (1, False, None)], placeable=0, call="get_weights"))
     assert not action.recover and "elastic=True" in action.reason
+
+
+def test_the_failure_budget_and_hang_recovery_are_decided_in_one_place():
+    from dsgd.engine.failures import over_budget, recovers_hang
+
+    assert over_budget(3, 3, "step 5: worker 1 died") is None
+    assert over_budget(4, 3, "step 5: worker 1 died") == \
+        "step 5: worker 1 died: failure 4 exceeds max_failures=3"
+    assert over_budget(1, 0, "x") is not None  # max_failures=0: the first failure stops
+    assert recovers_hang(True, ["a late actor"])
+    assert not recovers_hang(True, [])  # nobody named: nothing to replace
+    assert not recovers_hang(False, ["a late actor"])
