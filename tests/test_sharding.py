@@ -116,3 +116,18 @@ def test_groups_are_one_per_ps_in_first_shard_order():
     groups = group_shards(owner)
     assert sorted(j for g in groups for j in g) == list(range(5))
     assert all(len({owner[j] for j in g}) == 1 for g in groups)
+
+
+def test_default_num_ps_is_one_per_worker_node_across_nodes_and_one_per_worker_on_one():
+    from dsgd.comm.param_server import default_num_ps, ps_nodes
+
+    one_node, two_nodes = ["a"] * 4, ["a", "a", "b", "b"]
+    assert default_num_ps(num_shards=100, num_workers=4, worker_nodes=one_node) == 4
+    assert default_num_ps(num_shards=100, num_workers=4, worker_nodes=two_nodes) == 2
+    assert default_num_ps(num_shards=3, num_workers=8, worker_nodes=one_node * 2) == 3
+    assert default_num_ps(num_shards=1, num_workers=4, worker_nodes=two_nodes) == 1
+    # Round-robin over the distinct nodes: no node holds two PS while another holds none.
+    assert ps_nodes([0, 1], two_nodes) == ["a", "b"]
+    assert ps_nodes([0, 1, 2, 3], two_nodes) == ["a", "b", "a", "b"]
+    assert ps_nodes([1], ["b", "a", "b"]) == ["a"]
+    assert ps_nodes([0, 1], one_node) == ["a", "a"]

@@ -269,6 +269,19 @@ def ps_actor_class(cls=None, world: int = 1):
 
 
 def ps_nodes(ps_indices: list[int], worker_nodes: list[str]) -> list[str]:
-    """The node of each PS: PS j beside worker j (round-robin), so that every node
-    that sends gradients also sums its share, as in BytePS."""
-    return [worker_nodes[j % len(worker_nodes)] for j in ps_indices]
+    """The node of each PS: round-robin over the workers' distinct nodes (in the
+    order of the workers), so that every node that sends gradients also sums
+    its share, as in BytePS, and no node holds two PS actors while another
+    holds none. On one node: every PS there."""
+    nodes = list(dict.fromkeys(worker_nodes))
+    return [nodes[j % len(nodes)] for j in ps_indices]
+
+
+def default_num_ps(num_shards: int, num_workers: int, worker_nodes: list[str]) -> int:
+    """`num_ps=None`: workers on several nodes get one PS per worker node (so each
+    node's NIC carries one PS's share of the bytes both ways, the groups being
+    balanced by bytes, shards cut at byte ranges of large tensors); on one node
+    one PS per worker (no NIC to share; the PS actors sum in parallel). Never
+    more PS than shards."""
+    nodes = len(set(worker_nodes))
+    return max(1, min(num_shards, nodes if nodes > 1 else num_workers))

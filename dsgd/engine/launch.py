@@ -10,7 +10,7 @@ Every function blocks until its actors have answered, each wait at most
 from __future__ import annotations
 
 from dsgd.comm import store
-from dsgd.comm.param_server import ps_nodes
+from dsgd.comm.param_server import default_num_ps, ps_nodes
 from dsgd.comm.sharding import ExchangeLayout, exchange_layout, plan_shards, whole_plan
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
@@ -54,7 +54,8 @@ def start(config: Config, actors: ActorSet) -> Topology:
     warm_bytes = store.warm_bytes(plan, config.num_workers)
     configured = _configure(config, actors, slots, plan, warm_bytes)
     if config.uses_ps:
-        layout = exchange_layout(plan, config.num_ps or min(plan.num_shards, config.num_workers))
+        layout = exchange_layout(plan, config.num_ps or default_num_ps(
+            plan.num_shards, config.num_workers, [actors.info(s)["node_id"] for s in slots]))
     else:  # one group per shard; with one worker nothing is exchanged
         layout = ExchangeLayout(plan, tuple((j,) for j in range(plan.num_shards)))
     topology = Topology(

@@ -69,7 +69,9 @@ class DistributedSGD:
         grad_shard_bytes: largest gradient shard, in bytes ("ps").
         all_reduce_alg: local allreduce across a worker's devices, one of
             `dsgd.constants.ALL_REDUCE_ALGS` ("nccl" needs `gpu=True`).
-        num_ps: PS actors ("ps"); default one per shard, at most `num_workers`.
+        num_ps: PS actors ("ps"); default: workers on one node, one PS per
+            worker; on several nodes, one PS per worker node; never more than
+            shards. PS actors go round-robin over the workers' nodes.
         num_cpus_per_worker: CPUs Ray reserves for each worker.
         step_timeout_s: longest wait for one step (or one call), in seconds,
             counted from when the driver begins waiting for it; then

@@ -22,8 +22,9 @@ class DsgdConfig(BackendConfig):
     construction.
 
     Args:
-        num_ps: PS actors (default: one per worker), each pinned beside a worker
-            (PS j on worker j's node), taking no CPU slot.
+        num_ps: PS actors (default: workers on one node, one per worker; on
+            several nodes, one per worker node), round-robin over the workers'
+            nodes, taking no CPU slot.
         grad_shard_bytes: largest gradient shard, as the engine's.
         devices_per_worker: devices each Ray Train worker trains on; only 1 is
             supported here (the engine, `dsgd.DistributedSGD`, drives several).
@@ -86,17 +87,20 @@ class DsgdBackend(Backend):
         the exchange in every worker. Blocks until every PS answers, at most
         `backend_config.timeout_s` seconds."""
 
-        from dsgd.comm.param_server import (ParameterServer, ps_actor_class, ps_nodes,
-                                            ps_options, rendezvous_concurrency)
+        from dsgd.comm.param_server import (ParameterServer, default_num_ps, ps_actor_class,
+                                            ps_nodes, ps_options, rendezvous_concurrency)
         from dsgd.comm.waits import get_all
         from dsgd.train.exchange import install
 
         self.on_shutdown(worker_group, backend_config)  # a restart: the old ones are useless
         workers = worker_group.get_workers()
-        num_ps = backend_config.num_ps or len(workers)
+        worker_nodes = [w.metadata.node_id for w in workers]
+        # (The shards are not known yet: the plan is made from the first exchange.)
+        num_ps = backend_config.num_ps or default_num_ps(len(workers), len(workers),
+                                                         worker_nodes)
         run = uuid.uuid4().hex[:6]
         names = [f"{constants.PS_NAME_PREFIX}{j}-{run}" for j in range(num_ps)]
-        nodes = ps_nodes(list(range(num_ps)), [w.metadata.node_id for w in workers])
+        nodes = ps_nodes(list(range(num_ps)), worker_nodes)
         remote = ps_actor_class(ParameterServer, len(workers))
         self.ps = [remote.options(name=name, max_concurrency=rendezvous_concurrency(len(workers)),
                                   **ps_options(node)).remote(
