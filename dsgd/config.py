@@ -53,6 +53,7 @@ class Config:
     local_steps_per_call: int = constants.LOCAL_STEPS_PER_CALL
     backup_workers: int = 0
     worker_exchange: bool = True
+    snapshot_interval_s: float | None = constants.DEFAULT_SNAPSHOT_INTERVAL_S
     local: bool = False
 
     def __post_init__(self):
@@ -99,6 +100,12 @@ class Config:
             check_picklable("worker_init", self.worker_init, "Ray sends it to every worker")
         _bool("apply_per_group", self.apply_per_group)
         _bool("worker_exchange", self.worker_exchange)
+        if self.snapshot_interval_s is not None and (
+                isinstance(self.snapshot_interval_s, bool)
+                or not isinstance(self.snapshot_interval_s, (int, float))
+                or not self.snapshot_interval_s >= 0):
+            raise ValueError(f"snapshot_interval_s must be a number of seconds >= 0 or None, "
+                             f"got {self.snapshot_interval_s!r}")
         _bool("local", self.local)
         if self.local and self.num_workers != 1:
             raise ValueError(f"local=True runs one worker in this process: num_workers must be "

@@ -44,6 +44,10 @@ PS_NUM_CPUS = 0
 ON_NONFINITE = ("raise", "skip", "ignore")
 """`DistributedSGD(on_nonfinite=)`: what a step does with a NaN/Inf gradient."""
 DEFAULT_MAX_FAILURES = 3
+DEFAULT_SNAPSHOT_INTERVAL_S = 60.0
+"""Default `snapshot_interval_s`: how often (seconds of training) the driver keeps an
+automatic snapshot of the replicated state in its own memory, so that losing every
+worker at once (a node) is survived without a checkpoint (engine/loop.py)."""
 """Default `max_failures`: actor deaths a `DistributedSGD` survives over its life."""
 MAX_STALL_WARNING_S = 60.0
 """Longest interval between stall reports while a wait is pending, in seconds:

@@ -277,6 +277,32 @@ class TestOneInstance:
         assert "worker(s) 1 died" in sgd.failures[before]["reason"]
         assert_weights(sgd, shared.uninterrupted)
 
+    def test_every_worker_killed_mid_train_on_a_dataset_replays_from_the_snapshot(
+            self, shared, tmp_path):
+        """train(dataset, num_steps=2), then the other 3 steps: both workers die
+        while reading the last step's rows (worker 0's transform kills them
+        both: a node lost). No checkpoint is newer than the automatic snapshot
+        taken before step 1 (a new dataset makes one due): every replica takes
+        it, the dataset goes back to its position then, and steps 1-2 (counted
+        by the first call) are run again on the same rows, so the second call
+        applies 3 + 2 steps, and the weights are the uninterrupted run's."""
+        sgd, before = fresh(shared)
+        examples = [(x, y, i) for i, (x, y) in enumerate(keyed_examples(STEPS, BATCH))]
+        marker = str(tmp_path / "killed")
+        kill = KillInTransform(marker, (STEPS - 1) * 2 * BATCH + 1,  # the last step, slot 0
+                               pids=[pid_of(w) for w in sgd.workers])
+        dataset = dsgd.Dataset(examples, transform=kill, batch_size=BATCH)
+        assert sgd.train(dataset=dataset, num_steps=2)["steps"] == 2
+        summary = sgd.train(dataset=dataset, num_steps=STEPS - 2)
+        assert os.path.exists(marker)
+        record = sgd.failures[before]
+        assert len(sgd.failures) == before + 1, sgd.failures[before:]
+        assert record["step"] == 3 and "worker(s) 0, 1 died" in record["reason"]
+        assert "every worker died: restoring the automatic snapshot of step 0" in record["reason"]
+        assert record["replayed_steps"] == 2
+        assert sgd.steps_done == STEPS and summary["steps"] == STEPS
+        assert_weights(sgd, shared.uninterrupted)
+
     def test_no_room_without_elastic_names_the_option(self, shared, monkeypatch):
         # The last test of the class: the shared instance is left with a dead worker.
         # The test waits for the dead worker's CPU itself (then blocks it): recovery need
@@ -374,15 +400,35 @@ def test_worker_killed_while_applying_is_not_applied_twice(tmp_path):
 
 
 # The default run restores the last checkpoint after every worker died
-# (TestOneWorker); the decision without a checkpoint is tested in-process
-# (test_failures.py::test_every_worker_dead_needs_a_checkpoint).
+# (TestOneWorker), or the automatic snapshot (below); the decision without either
+# is tested in-process (test_failures.py::test_every_worker_dead_needs_a_checkpoint).
 @pytest.mark.slow
-def test_every_worker_dead_without_a_checkpoint_is_an_error():
-    with dsgd.DistributedSGD(keyed_creator, 1, 1, gpu=False) as sgd:
+def test_every_worker_dead_without_a_checkpoint_or_snapshot_is_an_error():
+    with dsgd.DistributedSGD(keyed_creator, 1, 1, gpu=False, snapshot_interval_s=None) as sgd:
         sgd.step()
         os.kill(pid_of(sgd.workers[0]), signal.SIGKILL)
         with pytest.raises(dsgd.DsgdError, match="every worker died and there is no checkpoint"):
             sgd.step()
+
+
+def test_every_worker_dead_without_a_checkpoint_restores_the_snapshot_and_counts_lost_steps():
+    """No checkpoint: the automatic snapshot (taken before step 1) is restored, and
+    the two steps applied since, whose batches came from get_batch, are lost
+    and counted as such (get_batch cannot be replayed)."""
+    with dsgd.DistributedSGD(keyed_creator, 1, 1, gpu=False) as sgd:
+        initial = sgd.get_weights()
+        sgd.step()
+        sgd.step()
+        os.kill(pid_of(sgd.workers[0]), signal.SIGKILL)
+        stats = sgd.step(fetch_stats=True)
+        record = sgd.failures[0]
+        assert "every worker died: restoring the automatic snapshot of step 0" in record["reason"]
+        assert record["lost_steps"] == 2 and "replayed_steps" not in record
+        assert stats["step"] == 1 and sgd.steps_done == 1
+        # StepKeyedModel keys its batches by the iteration count (restored with the
+        # state): the step after the restore is step 1 again.
+        want, _ = tiny.reference_run(initial, 1, BATCH, 1, "sgdm")
+        assert_weights(sgd, want)
 
 
 @pytest.mark.slow  # long: CI runs it (.ci/run)
@@ -466,15 +512,19 @@ def keyed_examples(n, batch):
 
 
 class KillInTransform:
-    """A transform that SIGKILLs its worker once, when it sees `row`."""
+    """A transform that SIGKILLs its worker once, when it sees `row` (and first the
+    processes `pids`, e.g. every other worker: a node lost at once)."""
 
-    def __init__(self, marker, row):
-        self.marker, self.row = marker, row
+    def __init__(self, marker, row, pids=()):
+        self.marker, self.row, self.pids = marker, row, list(pids)
 
     def __call__(self, batch):
         x, y, index = batch
         if self.row in index and not os.path.exists(self.marker):
             with open(self.marker, "w") as f:
                 f.write("killed")
+            for pid in self.pids:
+                if pid != os.getpid():
+                    os.kill(pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         return x, y

@@ -38,6 +38,7 @@ class Status:
     has_checkpoint: bool           # a checkpoint to fall back on if no worker survives
     between_steps: bool = False    # found after step `steps_done` was counted: none interrupted
     call: str | None = None        # a driver call outside steps, to be run again afterwards
+    restore_from: str = "the last checkpoint"  # what has_checkpoint restores
 
 
 @dataclass(frozen=True)
@@ -88,8 +89,9 @@ def decide(status: Status) -> Action:
     if not survivors:
         if not status.has_checkpoint:
             return Action(False, f"{what}: every worker died and there is no checkpoint to "
-                                 "restore from (call save_checkpoint regularly)")
-        return Action(True, f"{what}; every worker died: restoring the last checkpoint",
+                                 "restore from (call save_checkpoint regularly, or keep the "
+                                 "automatic snapshot: snapshot_interval_s)")
+        return Action(True, f"{what}; every worker died: restoring {status.restore_from}",
                       replace, drop, list(status.dead_ps), None, [], False)
     if status.call is not None:
         # Outside steps every survivor holds the state the steps left, unless the call

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 from dsgd.comm.ps_client import sequence_number
 from dsgd.comm.waits import actor_died_errors
@@ -42,9 +43,12 @@ logger = logging.getLogger("dsgd")
 
 class StepLoop:
     def __init__(self, config: Config, actors: ActorSet, topology: Topology, progress: Progress,
-                 recovery: Recovery):
+                 recovery: Recovery, take_snapshot: Callable[[FeedEntry | None], None] | None = None):
         self.config, self.actors, self.topology = config, actors, topology
         self.progress, self.recovery = progress, recovery
+        # The automatic snapshot (DistributedSGD._take_snapshot), and when it was taken.
+        self._take_snapshot = take_snapshot
+        self._snapshot_at: float | None = None
         # Backup workers' late-worker record, shared with Recovery (which resets it).
         self.stragglers = recovery.stragglers if recovery is not None \
             else Stragglers(config.backup_workers)
@@ -73,10 +77,13 @@ class StepLoop:
             try:
                 if pending is None:
                     self.recovery.maybe_grow()
+                    if self._snapshot_due(entry):  # nothing in flight: the state is steps_done's
+                        self._snapshot_at = time.monotonic()
+                        self._take_snapshot(entry)
                     pending = self._submit(entry, run_id, 0, count, done)
                 results = self._early_results(pending)
                 if results is None:
-                    if self._may_run_ahead(pending, count, done):
+                    if self._may_run_ahead(pending, count, done, entry):
                         ahead = self._submit(entry, run_id, pending.size, count,
                                              done + pending.size)
                     results = pending.finish()
@@ -97,7 +104,10 @@ class StepLoop:
                 pending = ahead = None  # both went to actors that may be gone: redone
                 self._attempts.give_up(self.actors.ps)  # (WorkerSteps) the retry is a new one
                 run_id = next(self._run_ids)  # the survivors halted the old run
-                if not self.recovery.recover(e):  # kills the hung actors first
+                before = self.progress.steps_done
+                completed = self.recovery.recover(e)  # kills the hung actors first
+                done -= self._rolled_back(before, entry)
+                if not completed:
                     continue  # retry
                 # Applied before the failure: the mean of the contributors chosen.
                 results = [StepResult(None, [{"apply_s": 0.0}], workers, **membership)]
@@ -145,10 +155,12 @@ class StepLoop:
                 # recover, then go on from the first step not applied everywhere.
                 pending = None  # its calls stop at once (the same run halted on the failure)
                 run_id = next(self._run_ids)  # ... so the steps after the failure are a new run
+                before = self.progress.steps_done
                 for result in self._recover_from(failure, len(self.actors.workers)):
                     self._count(result, entry)
                     done += 1
                     yield result
+                done -= self._rolled_back(before, entry)
 
     def _recover_from(self, error: BaseException, workers: int) -> list[StepResult]:
         """After a WorkerSteps failure: a hang without replace_hung raises; else the
@@ -160,6 +172,45 @@ class StepLoop:
         if self.recovery.recover(error):
             return [StepResult(None, [{"apply_s": 0.0}], workers)]
         return []
+
+    # -- the automatic snapshot ------------------------------------------------------------
+    def _snapshot_due(self, entry: FeedEntry | None) -> bool:
+        """Whether to take the automatic snapshot before the next step: none yet,
+        `snapshot_interval_s` passed, or it belongs to another feed (its data
+        position could not be replayed on this one)."""
+        interval = self.config.snapshot_interval_s
+        if interval is None or self._take_snapshot is None or self.config.local:
+            return False
+        snapshot = self.progress.snapshot
+        return (snapshot is None or self._snapshot_at is None
+                or time.monotonic() - self._snapshot_at >= interval
+                or snapshot["feed_key"] != (entry.key if entry is not None else None))
+
+    def _rolled_back(self, before: int, entry: FeedEntry | None) -> int:
+        """After a recovery that restored an older state (every worker lost): how
+        many steps this run does again. From a dataset whose position went back
+        with it, every step since is run again on the same rows (the result is
+        the uninterrupted run's); from get_batch they cannot be replayed: they
+        are lost, and the failure's record says how many."""
+        lost = before - self.progress.steps_done
+        if lost <= 0:
+            return 0
+        snapshot = self.progress.snapshot
+        replayable = (entry is not None and snapshot is not None
+                      and self.progress.steps_done == snapshot["step"]
+                      and snapshot["feed_key"] == entry.key
+                      and snapshot["data_position"] is not None)
+        if replayable:
+            logger.warning("the %d step(s) since step %d are run again on the same data",
+                           lost, self.progress.steps_done)
+            self.progress.annotate_failure(replayed_steps=lost)
+            return lost
+        logger.warning("%d step(s) lost: the state went back to step %d and %s", lost,
+                       self.progress.steps_done,
+                       "get_batch cannot replay its batches" if entry is None
+                       else "this dataset's position did not go back with it")
+        self.progress.annotate_failure(lost_steps=lost)
+        return 0
 
     def _join(self) -> None:
         """Tell the workers who takes part in their exchange (after start-up and after
@@ -234,9 +285,12 @@ class StepLoop:
         return [(entry.key, arg) for arg in
                 entry.feed.step_args(len(workers), ahead, self.config.step_timeout_s)]
 
-    def _may_run_ahead(self, pending, count: int | None, done: int) -> bool:
+    def _may_run_ahead(self, pending, count: int | None, done: int,
+                       entry: FeedEntry | None) -> bool:
         if count is not None and done + pending.size >= count:
             return False
+        if self._snapshot_due(entry):
+            return False  # the snapshot waits for a moment with no step in flight
         if self.config.elastic and \
                 self.actors.num_workers + self.recovery.joining < self.config.num_workers:
             return False  # elastic: growing back needs a quiet moment

@@ -33,16 +33,20 @@ class Recovery:
     Args:
         restore_checkpoint: `path -> None`, the driver's restore (used when no
             worker survives).
+        restore_snapshot: `() -> None`, restores the automatic snapshot
+            (`progress.snapshot`) instead, when it is newer than the last checkpoint.
         workers_changed: hooks run after new workers took a copied state (the
             layers above, e.g. the Trainer, give them what they need).
     """
 
     def __init__(self, config: Config, actors: ActorSet, topology: Topology, progress: Progress,
                  restore_checkpoint: Callable[[str], object],
-                 workers_changed: list[Callable[[], object]], stragglers: Stragglers):
+                 workers_changed: list[Callable[[], object]], stragglers: Stragglers,
+                 restore_snapshot: Callable[[], object] | None = None):
         self.config, self.actors, self.topology, self.progress = config, actors, topology, progress
         self.stragglers = stragglers
         self._restore_checkpoint = restore_checkpoint
+        self._restore_snapshot = restore_snapshot
         self._workers_changed = workers_changed
         self._next_grow_check = 0.0
         self._joining: dict[int, dict] = {}  # slot -> a background replacement's progress
@@ -81,10 +85,16 @@ class Recovery:
             self.actors.remove_worker(slot)
         placeable = self._placeable(len(dead))
         steps_done = self.progress.steps_done
+        snapshot = self.progress.snapshot if self._restore_snapshot is not None else None
+        use_snapshot = snapshot is not None and (
+            self.progress.last_checkpoint is None
+            or snapshot["step"] >= (self.progress.last_checkpoint_step or 0))
         action = failures.decide(failures.Status(
             workers, dead_ps, steps_done, len(self.progress.failures) + len(self._joining) + 1,
             self.config.max_failures, self.config.elastic, placeable,
-            self.progress.last_checkpoint is not None, between_steps, call))
+            self.progress.last_checkpoint is not None or use_snapshot, between_steps, call,
+            f"the automatic snapshot of step {snapshot['step']}" if use_snapshot
+            else "the last checkpoint"))
         step = steps_done + (0 if between_steps else 1)  # the step it is reported under
         where = call or f"step {step}"
         if not action.recover:
@@ -98,6 +108,8 @@ class Recovery:
         self._add_workers(action.replace_workers)
         if action.state_source is not None:
             self._copy_state(action.state_source, action.replace_workers + action.sync_workers)
+        elif use_snapshot:
+            self._restore_snapshot()
         else:
             self._restore_checkpoint(self.progress.last_checkpoint)
         if action.drop_workers:

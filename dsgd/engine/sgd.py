@@ -142,6 +142,18 @@ class DistributedSGD:
             per-step reports (dsgd/engine/worker_steps.py); False has the
             driver relay every group of every step (dsgd/engine/step.py
             `ExchangeStep`, the path backup workers take), for comparison.
+        snapshot_interval_s: seconds between automatic snapshots: between
+            steps, with no step in flight, the driver copies worker 0's state
+            (weights, optimizer state, step count; what `save_checkpoint`
+            writes) into its own memory, so that losing every worker at once
+            (a node, a fault during a replacement) restores it rather than
+            fail. Steps since then are run again from a dataset's position
+            (exactly the uninterrupted run's), or, with `get_batch` (which
+            cannot be replayed), counted as lost (`failures[-1]["lost_steps"]`).
+            The first is taken before the first step. A snapshot costs one
+            copy of the state through the object store into the driver (see
+            benchmarks/README.md); a newer checkpoint is preferred. None: no
+            snapshot (every worker lost then needs a checkpoint).
 
     Raises:
         TypeError: a bad argument (wrong type, or a function Ray cannot
@@ -180,7 +192,8 @@ class DistributedSGD:
                  compression: str | None = None, backup_workers: int = 0,
                  local: bool = False, apply_per_group: bool = True,
                  local_steps_per_call: int = constants.LOCAL_STEPS_PER_CALL,
-                 worker_exchange: bool = True):
+                 worker_exchange: bool = True,
+                 snapshot_interval_s: float | None = constants.DEFAULT_SNAPSHOT_INTERVAL_S):
         self.config = Config(
             model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
             all_reduce_alg, num_ps, num_cpus_per_worker=num_cpus_per_worker,
@@ -189,7 +202,7 @@ class DistributedSGD:
             max_failures=max_failures, elastic=elastic, replace_hung=replace_hung,
             worker_init=worker_init, compression=compression, apply_per_group=apply_per_group,
             local_steps_per_call=local_steps_per_call, backup_workers=backup_workers, local=local,
-            worker_exchange=worker_exchange)
+            worker_exchange=worker_exchange, snapshot_interval_s=snapshot_interval_s)
         # Starts Ray if it is not running; gpu=None becomes whether the cluster has GPUs.
         self.config = config = self.config.with_gpu(
             resolve_gpu(gpu, num_workers, devices_per_worker))
@@ -210,9 +223,9 @@ class DistributedSGD:
         self._recovery = Recovery(config, self._actors, self._topology, self._progress,
                                   self.restore_checkpoint, self.on_workers_changed,
                                   Stragglers(config.backup_workers, config.step_timeout_s,
-                                             config.replace_hung))
+                                             config.replace_hung), self._restore_snapshot)
         self._loop = StepLoop(config, self._actors, self._topology, self._progress,
-                              self._recovery)
+                              self._recovery, self._take_snapshot)
 
     # -- state, read-only --------------------------------------------------------
     @property
@@ -584,8 +597,44 @@ class DistributedSGD:
         if extra is not None:
             meta["extra"] = extra
         checkpoints.write(path, files, meta)
-        self._progress.saved(path)
+        self._progress.saved(path, self.steps_done)
         return path
+
+    def _take_snapshot(self, entry) -> None:
+        """(the loop, between steps with none in flight) The automatic snapshot:
+        worker 0's checkpoint files copied into the driver's memory, with the
+        step count and the data position of the feed of `entry` (a FeedEntry;
+        None: get_batch). A worker found dead here is left for the next step
+        to recover."""
+        start = time.perf_counter()
+        steps = self.steps_done
+        worker = self._actors.workers[0]
+        try:
+            files = self._wait([worker.save_checkpoint.remote(steps)], [worker],
+                               "taking the automatic snapshot")[0]
+        except (*actor_died_errors(), StepTimeoutError) as e:
+            logger.debug("no snapshot at step %d: %s", steps, e)
+            return
+        self._progress.snapshot = {
+            "files": files, "step": steps,
+            "feed": entry.feed if entry is not None else None,
+            "feed_key": entry.key if entry is not None else None,
+            "data_position": entry.feed.position if entry is not None else None,
+            "bytes": sum(len(b) for b in files.values()),
+            "cost_s": time.perf_counter() - start}
+        logger.debug("snapshot of step %d: %d bytes in %.3f s", steps,
+                     self._progress.snapshot["bytes"], self._progress.snapshot["cost_s"])
+
+    def _restore_snapshot(self) -> None:
+        """(recovery, every worker lost) Every replica takes the automatic snapshot;
+        the dataset it was taken on goes back to its position then."""
+        import ray
+
+        snapshot = self._progress.snapshot
+        steps = self._call_all("restore_checkpoint", ray.put(snapshot["files"]))
+        self._progress.restored(None, int(steps[0]))
+        if snapshot["data_position"] is not None:
+            snapshot["feed"].seek(int(snapshot["data_position"]))
 
     def restore_checkpoint(self, path: str) -> dict | None:
         """Load a checkpoint written by `save_checkpoint` (by any number of

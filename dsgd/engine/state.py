@@ -63,6 +63,10 @@ class Progress:
         self._skipped_steps = 0
         self._failures: list[dict] = []
         self._last_checkpoint: str | None = None
+        self._last_checkpoint_step: int | None = None
+        # The automatic snapshot (engine/loop.py): worker 0's checkpoint files held in
+        # the driver's memory, with the step, data position and feed they belong to.
+        self.snapshot: dict | None = None
 
     @property
     def steps_done(self) -> int:
@@ -90,13 +94,23 @@ class Progress:
         else:
             self._steps_done += 1
 
-    def restored(self, path: str, steps_done: int) -> None:
-        """A checkpoint was restored: the step count is the one saved with it."""
-        self._last_checkpoint = path
+    @property
+    def last_checkpoint_step(self) -> int | None:
+        return self._last_checkpoint_step
+
+    def restored(self, path: str | None, steps_done: int) -> None:
+        """A checkpoint (path None: the automatic snapshot) was restored: the step
+        count is the one saved with it."""
+        if path is not None:
+            self._last_checkpoint, self._last_checkpoint_step = path, int(steps_done)
         self._steps_done = int(steps_done)
 
-    def saved(self, path: str) -> None:
-        self._last_checkpoint = path
+    def saved(self, path: str, steps_done: int | None = None) -> None:
+        self._last_checkpoint, self._last_checkpoint_step = path, steps_done
+
+    def annotate_failure(self, **fields) -> None:
+        """Add `fields` to the last failure's record (e.g. steps lost or replayed)."""
+        self._failures[-1].update(fields)
 
     def failed(self, record: dict) -> None:
         """A failure was recovered (record: step, error, reason, recovery_s)."""
