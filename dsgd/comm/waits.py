@@ -27,16 +27,24 @@ def actor_died_errors() -> tuple:
 
 
 def await_all(refs: Sequence, owners: Sequence, what: str, timeout_s: float, *,
-              name_of: Callable = str, stall_s: float | None = None) -> None:
+              name_of: Callable = str, stall_s: float | None = None,
+              answers: dict | None = None) -> None:
     """Block until every ObjectRef (or streaming generator) in `refs` is ready;
     `owners[k]` is who produces `refs[k]`. Raises StepTimeoutError after
     `timeout_s` seconds naming the owners still pending (`error.late`: those
-    owners, each once). Does not fetch anything: errors surface at `ray.get`."""
+    owners, each once). Does not fetch anything (errors surface at `ray.get`),
+    unless `answers` is given: then each ObjectRef that is ready while others
+    are still pending is fetched into `answers` (ref -> value or the error),
+    and a worker's own StepTimeoutError naming the peers it waited for in an
+    exchange (`late_workers`: positions in `owners`) ends the wait at once,
+    naming them, rather than when the others' calls time out."""
     import ray
 
     pending = list(refs)
     start = time.monotonic()
     while pending:
+        if answers is not None and len(pending) < len(refs):
+            _peek(refs, owners, pending, answers, what, name_of)
         left = timeout_s - (time.monotonic() - start)
         if left <= 0:
             late = _unique([owners[_index(refs, r)] for r in pending])
@@ -58,11 +66,53 @@ def await_all(refs: Sequence, owners: Sequence, what: str, timeout_s: float, *,
 
 def get_all(refs: Sequence, owners: Sequence, what: str, timeout_s: float, *,
             name_of: Callable = str, stall_s: float | None = None) -> list:
-    """`await_all`, then `ray.get` of every ref (remote errors propagate)."""
+    """`await_all`, then `ray.get` of every ref (remote errors propagate). A
+    worker whose exchange timed out naming late peers ends the wait early
+    (`await_all`'s `answers`)."""
     import ray
 
-    await_all(refs, owners, what, timeout_s, name_of=name_of, stall_s=stall_s)
-    return ray.get(list(refs), timeout=max(1.0, timeout_s))
+    answers: dict = {}
+    await_all(refs, owners, what, timeout_s, name_of=name_of, stall_s=stall_s, answers=answers)
+    rest = [r for r in refs if r.hex() not in answers]
+    fetched = dict(zip([r.hex() for r in rest],
+                       ray.get(rest, timeout=max(1.0, timeout_s)) if rest else []))
+    for ref in refs:  # the first error, in order, as ray.get of the list would raise it
+        if ref.hex() in answers and isinstance(answers[ref.hex()], _Failed):
+            raise answers[ref.hex()].error
+    return [answers[r.hex()] if r.hex() in answers else fetched[r.hex()] for r in refs]
+
+
+class _Failed:
+    """An answer that was an error (kept to raise in order)."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _peek(refs: Sequence, owners: Sequence, pending: list, answers: dict, what: str,
+          name_of: Callable) -> None:
+    """Fetch the answers that are in while others are pending; a StepTimeoutError
+    from one naming its late peers (positions in `owners`) is raised at once."""
+    import ray
+
+    waiting = {r.hex() for r in pending}
+    for k, ref in enumerate(refs):
+        if not isinstance(ref, ray.ObjectRef) or ref.hex() in waiting or ref.hex() in answers:
+            continue
+        try:
+            answers[ref.hex()] = ray.get(ref, timeout=0)
+        except Exception as e:  # noqa: BLE001 - kept, raised by get_all in order
+            answers[ref.hex()] = _Failed(e)
+            cause = getattr(e, "cause", e)
+            ranks = getattr(cause, "late_workers", None)
+            if isinstance(cause, StepTimeoutError) and ranks:
+                late = _unique([owners[r] for r in ranks if 0 <= r < len(owners)
+                                and refs[r].hex() in waiting])
+                if late:
+                    raise StepTimeoutError(
+                        f"{what}: {name_of(owners[k])} waited for "
+                        f"{', '.join(sorted(name_of(o) for o in late))} in an exchange "
+                        f"({str(cause).splitlines()[0]})", late) from None
 
 
 def next_all(streams: Sequence, owners: Sequence, what: str, timeout_s: float, *,
