@@ -285,10 +285,13 @@ def test_horovod_names_not_provided_say_so():
 
 
 @pytest.mark.slow
-def test_the_command_line_shows_rank_0_output_and_fails_on_a_failing_rank(tmp_path):
+def test_the_command_line_shows_rank_0_output_and_fails_on_a_failing_rank(tmp_path, ray_local,
+                                                                          capfd):
     """`python -m dsgd.train.run` from a shell: a new local Ray cluster, rank 0's
     print on the terminal, exit status 0, none of TensorFlow's start-up probing
-    lines (a user's shell has no TF_CPP_MIN_LOG_LEVEL); a script whose rank 1 raises: 1."""
+    lines (a user's shell has no TF_CPP_MIN_LOG_LEVEL); a script whose rank 1
+    raises: 1 and the error on stderr (the launcher in-process on the shared
+    cluster: a second new cluster would only repeat the start-up)."""
     ok = tmp_path / "ok.py"
     ok.write_text("import sys\nimport dsgd.train as hvd\nhvd.init()\n"
                   "print(f'hello from rank {hvd.rank()} of {hvd.size()} args={sys.argv[1:]}')\n")
@@ -306,10 +309,10 @@ def test_the_command_line_shows_rank_0_output_and_fails_on_a_failing_rank(tmp_pa
     bad = tmp_path / "bad.py"
     bad.write_text("import dsgd.train as hvd\nhvd.init()\n"
                    "if hvd.rank() == 1:\n    raise KeyError('rank one')\n")
-    done = subprocess.run([sys.executable, "-m", "dsgd.train.run", "-np", "2", "--timeout", "20",
-                           "--storage-path", str(tmp_path / "runs"), str(bad)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 1 and "KeyError: 'rank one'" in done.stderr
+    capfd.readouterr()
+    status = launcher.main(["-np", "2", "--timeout", "20", "--storage-path",
+                            str(tmp_path / "runs"), str(bad)])
+    assert status == 1 and "KeyError: 'rank one'" in capfd.readouterr().err
 
 
 EXAMPLES = os.path.join(os.path.dirname(HERE), "dsgd", "examples", "horovod")
