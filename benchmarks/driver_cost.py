@@ -1,7 +1,8 @@
 """The driver's own CPU per step, as the number of workers grows.
 
     python benchmarks/driver_cost.py [--workers 2 4 6 8] [--steps 40] [--mib 8]
-                                     [--shard-mib 1] [--label NAME] [--out PATH]
+                                     [--shard-mib 1] [--paths relayed workers workers_step]
+                                     [--label NAME] [--out PATH]
 
 A compute-free model (`--mib` MiB of float32 gradients, loss = c * sum(v): the
 gradient is a constant fill) is trained by `DistributedSGD(strategy="ps")` with
@@ -10,6 +11,15 @@ layout. For each N, after warm-up steps, `train(num_steps)` runs `--steps` steps
 and the driver process's CPU time (user + system, every thread of the process:
 Ray's own threads in the driver included, through `time.process_time`) is
 divided by the steps; wall time per step is reported beside it.
+
+Paths, measured interleaved for each N in one run (`--paths`):
+- `relayed`: the driver relays every group of every step (`worker_exchange=False`,
+  the engine's "ps" step before the workers' own exchange, and still the path of
+  backup workers): N*(P+1) streamed items, P PS calls and N applies per step;
+- `workers`: the workers' own exchange (the default), `train()` running
+  `local_steps_per_call` (8) steps per call of each worker;
+- `workers_step`: the same with one step per call (`local_steps_per_call=1`, as
+  `step()` runs): the driver's cost per call, not amortised.
 
 Work per step that grows with N in the driver is the thing this measures
 (STYLE 16): the target is N=8 within 1.5x of N=2. On a 2-core machine N workers
@@ -63,16 +73,22 @@ class FlatModel(dsgd.Model):
         return self.optimizer
 
 
-def measure(num_workers: int, steps: int, mib: float, shard_mib: float, warmup: int) -> dict:
+PATHS = {"relayed": {"worker_exchange": False},
+         "workers": {},
+         "workers_step": {"local_steps_per_call": 1}}
+
+
+def measure(num_workers: int, steps: int, mib: float, shard_mib: float, warmup: int,
+            path: str = "workers") -> dict:
     sgd = dsgd.DistributedSGD(lambda w, d: FlatModel(mib), num_workers, 1, gpu=False,
                               strategy="ps", grad_shard_bytes=int(shard_mib * MIB),
-                              step_timeout_s=120)
+                              step_timeout_s=120, **PATHS[path])
     try:
         sgd.train(num_steps=warmup)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         summary = sgd.train(num_steps=steps)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-        return {"num_workers": num_workers, "steps": steps, "num_ps": len(sgd.ps_actors),
+        return {"path": path, "num_workers": num_workers, "steps": steps, "num_ps": len(sgd.ps_actors),
                 "num_shards": sgd.plan.num_shards, "num_groups": len(sgd.shard_groups),
                 "driver_cpu_ms_per_step": 1000 * cpu / steps,
                 "wall_ms_per_step": 1000 * wall / steps,
@@ -88,6 +104,7 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--mib", type=float, default=8.0, help="gradient MiB per worker")
     p.add_argument("--shard-mib", type=float, default=1.0)
+    p.add_argument("--paths", nargs="+", choices=sorted(PATHS), default=list(PATHS))
     p.add_argument("--label", default=None, help="name of this code version (default: git commit)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                  "driver_cost.json"))
@@ -105,10 +122,11 @@ def main(argv=None) -> dict:
     label = args.label or commit
     rows = []
     for n in args.workers:
-        row = measure(n, args.steps, args.mib, args.shard_mib, args.warmup)
-        row.update(label=label, commit=commit)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        for path in args.paths:
+            row = measure(n, args.steps, args.mib, args.shard_mib, args.warmup, path)
+            row.update(label=label, commit=commit)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
     ray.shutdown()
 
     result = {"benchmark": "driver_cost", "machine": f"{platform.machine()}, "
@@ -120,14 +138,23 @@ def main(argv=None) -> dict:
             result = json.load(f)
         result["rows"] = [r for r in result["rows"] if r["label"] != label]
     result["rows"] += rows
-    by_n = {r["num_workers"]: r for r in rows}
-    if min(by_n) in by_n and max(by_n) in by_n:
-        result.setdefault("growth", {})[label] = (
-            by_n[max(by_n)]["driver_cpu_ms_per_step"] / by_n[min(by_n)]["driver_cpu_ms_per_step"])
+    # Per path: the figure at the largest N over the smallest (target <= 1.5 for
+    # "workers"), and each path's figure at the largest N over "relayed"'s (<= 0.25).
+    for path in args.paths:
+        by_n = {r["num_workers"]: r["driver_cpu_ms_per_step"] for r in rows if r["path"] == path}
+        if len(by_n) > 1:
+            result.setdefault("growth", {})[f"{label}/{path}"] = by_n[max(by_n)] / by_n[min(by_n)]
+        if path != "relayed" and "relayed" in args.paths:
+            top = max(by_n)
+            base = [r["driver_cpu_ms_per_step"] for r in rows
+                    if r["path"] == "relayed" and r["num_workers"] == top]
+            result.setdefault("over_relayed", {})[f"{label}/{path}/N={top}"] = \
+                by_n[top] / base[0]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({"out": args.out, "growth": result.get("growth")}))
+    print(json.dumps({"out": args.out, "growth": result.get("growth"),
+                      "over_relayed": result.get("over_relayed")}))
     return result
 
 

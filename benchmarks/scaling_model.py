@@ -20,7 +20,13 @@ What the model follows (read from the code, not assumed):
   download and apply are sequential phases here (the only pipelining is that PS
   j may sum while later groups are written, which the model does not credit).
 - The driver is in every step: N compute calls, N·(P+1) streamed items, P PS
-  calls with N references each, N apply calls.
+  calls with N references each, N apply calls. That is the driver-relayed step
+  ("relayed": backup workers, `worker_exchange=False`). The workers' own
+  exchange (the default, "workers") takes the driver out of the data path: its
+  CPU per step (a + b·N, fitted to benchmarks/results/driver_cost.json) runs
+  beside the steps it submits ahead and counts only where it exceeds them; in
+  its place each PS handles one call per worker per step (N·driver_call_s,
+  the cost of one actor call, an estimate) plus one round trip (step_s).
 
 Inputs and their sources are in `PARAMS` / `calibration()`; docs/scaling.md
 lists them. Everything is an estimate: see the doc for what it leaves out.
@@ -123,6 +129,8 @@ class Config:
     devices: int = 1             # D per worker
     gpu: bool = True
     widen: bool = False          # 16-bit wire: the read op widens while copying
+    exchange: str = "relayed"    # "relayed" (the driver relays every group) or "workers"
+    driver_fit: tuple = (0.0, 0.0)  # "workers": the driver's CPU per step = a + b * N (s)
 
 
 def ps_nodes(num_groups: int, workers: int) -> list[int]:
@@ -167,12 +175,37 @@ def step_time(c: Config, k: Inputs) -> dict:
                   + (remote_means / k.fresh_read_bw if k.fresh_read_bw and n > 1 else 0.0)
                   + (c.grad_bytes / k.pcie_bw if c.gpu else 0.0)
                   + (5 * c.grad_bytes / k.hbm_bw if c.gpu else 0.0))
-    # The driver: N x (P + 1) streamed items (a report and P groups per worker),
-    # P PS calls and 2N worker calls, plus the round trips between the phases.
-    t["driver"] = (k.step_s + k.driver_item_s * n * (p + 1)
-                   + k.driver_call_s * (p + 2 * n)) if n > 1 else 0.0
+    if c.exchange == "workers":
+        # Each PS takes one call per worker per step (its rendezvous), and the step
+        # one round trip; the driver submits calls of several steps ahead: its CPU
+        # counts only beyond the step it overlaps.
+        t["rendezvous"] = (k.step_s + k.driver_call_s * n) if n > 1 else 0.0
+        a, b = c.driver_fit
+        t["driver"] = max(0.0, (a + b * n) - sum(t.values())) if n > 1 else 0.0
+    else:
+        # The driver: N x (P + 1) streamed items (a report and P groups per worker),
+        # P PS calls and 2N worker calls, plus the round trips between the phases.
+        t["driver"] = (k.step_s + k.driver_item_s * n * (p + 1)
+                       + k.driver_call_s * (p + 2 * n)) if n > 1 else 0.0
     t["total"] = sum(t.values())
     return t
+
+
+def driver_fit(path: str) -> tuple[tuple[float, float], str]:
+    """(a, b) of the driver's CPU per step, a + b * N seconds, on the workers' own
+    exchange: a least-squares line through benchmarks/driver_cost.py's "workers"
+    rows (train(), 8 steps per call). (0, 0) without the file."""
+    if not os.path.exists(path):
+        return (0.0, 0.0), "not measured (run benchmarks/driver_cost.py)"
+    with open(path) as f:
+        rows = [r for r in json.load(f)["rows"] if r.get("path") == "workers"]
+    if len(rows) < 2:
+        return (0.0, 0.0), f"{path}: no 'workers' rows"
+    xs = [r["num_workers"] for r in rows]
+    ys = [r["driver_cpu_ms_per_step"] / 1e3 for r in rows]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return (my - b * mx, b), os.path.relpath(path, os.path.dirname(HERE)) + " (workers rows)"
 
 
 # ---------------------------------------------------------------------------
@@ -196,13 +229,13 @@ def groups_for(shapes, shard_bytes: int, num_ps: int | None, workers: int,
 
     plan = plan_shards(shapes, ["float32"] * len(shapes), shard_bytes, compression=compression)
     asked = num_ps or min(plan.num_shards, workers)  # dsgd's default (engine/launch.py)
-    _, groups = exchange_layout(plan, asked)
+    groups = exchange_layout(plan, asked).groups
     sizes = [sum(plan.shards[j].nbytes for j in g) for g in groups]
     return {"shards": plan.num_shards, "num_ps": asked, "busy_ps": len(groups),
             "group_bytes": tuple(sizes)}
 
 
-def predictions(shapes, inputs: Inputs) -> list[dict]:
+def predictions(shapes, inputs: Inputs, fit: tuple = (0.0, 0.0)) -> list[dict]:
     grad_bytes = 4 * sum(math.prod(s) for s in shapes)
     rows = []
     compute = GPU_COMPUTE["V100 fp32 b128"]["step_s"]
@@ -225,6 +258,8 @@ def predictions(shapes, inputs: Inputs) -> list[dict]:
                                grad_bytes=grad_bytes, link_bw=gbits * GBIT, compute_s=compute,
                                widen=compression is not None)
                     t = step_time(c, inputs)
+                    tw = step_time(dataclasses.replace(c, exchange="workers", driver_fit=fit),
+                                   inputs)
                     rows.append({
                         "workers": workers, "link_gbps": gbits, "gpu": gpu_name,
                         "shard_bytes": int(shard_bytes), "compression": compression,
@@ -235,6 +270,10 @@ def predictions(shapes, inputs: Inputs) -> list[dict]:
                         # The driver term rests on a microbenchmark that the two-node
                         # check does not confirm (docs/scaling.md): the bound without it.
                         "efficiency_without_driver": compute / (t["total"] - t["driver"]),
+                        # The workers' own exchange (the default since it replaced the
+                        # driver-relayed step).
+                        "phases_workers_s": tw, "step_workers_s": tw["total"],
+                        "efficiency_workers": compute / tw["total"],
                     })
     return rows
 
@@ -242,8 +281,8 @@ def predictions(shapes, inputs: Inputs) -> list[dict]:
 def markdown(rows) -> str:
     head = ("| workers | link | shard MB | PS (busy) | wire | step V100 (ms) | eff. V100 "
             "| eff. V100, no driver | eff. A100 | eff. A100, no driver | network (ms) "
-            "| driver (ms) |\n"
-            "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|\n")
+            "| driver (ms) | eff. V100, workers' exchange | eff. A100, workers' exchange |\n"
+            "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     out = []
     pairs = {}
     for r in rows:
@@ -257,7 +296,8 @@ def markdown(rows) -> str:
             f"| {key[3] or 'fp32'} | {1e3 * v['step_s']:.0f} | {100 * v['efficiency']:.0f} % "
             f"| {100 * v['efficiency_without_driver']:.0f} % | {100 * a['efficiency']:.0f} % "
             f"| {100 * a['efficiency_without_driver']:.0f} % "
-            f"| {1e3 * (ph['upload'] + ph['download']):.0f} | {1e3 * ph['driver']:.0f} |")
+            f"| {1e3 * (ph['upload'] + ph['download']):.0f} | {1e3 * ph['driver']:.0f} "
+            f"| {100 * v['efficiency_workers']:.0f} % | {100 * a['efficiency_workers']:.0f} % |")
     return head + "\n".join(out)
 
 
@@ -266,11 +306,14 @@ def main():
     p.add_argument("--check", default=os.path.join(RESULTS, "scaling_check.json"),
                    help="scaling_check.py's JSON (its calibration block); the README's "
                         "one-off numbers if absent")
+    p.add_argument("--driver-cost", default=os.path.join(RESULTS, "driver_cost.json"),
+                   help="driver_cost.py's JSON: the workers' exchange's driver term")
     p.add_argument("--out", default=os.path.join(RESULTS, "scaling_model.json"))
     args = p.parse_args()
     inputs, sources = calibration(args.check)
+    fit, sources["driver_fit"] = driver_fit(args.driver_cost)
     shapes = resnet50_shapes()
-    rows = predictions(shapes, inputs)
+    rows = predictions(shapes, inputs, fit)
     table = markdown(rows)
     print(table)
     grad_bytes = 4 * sum(math.prod(s) for s in shapes)
@@ -278,6 +321,7 @@ def main():
         json.dump({"benchmark": "scaling_model", "model": "resnet50",
                    "trainable_variables": len(shapes), "gradient_bytes": grad_bytes,
                    "inputs": dataclasses.asdict(inputs), "sources": sources,
+                   "driver_fit_s": {"a": fit[0], "b_per_worker": fit[1]},
                    "gpu_compute": GPU_COMPUTE, "rows": rows, "table_markdown": table},
                   f, indent=1)
     print(f"\nwrote {args.out}")

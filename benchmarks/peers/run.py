@@ -3,7 +3,12 @@ batch and worker counts, in one run: one JSON file and one PNG chart.
 
     python benchmarks/peers/run.py [--configs comm compute] [--workers 1 2] [--steps 10]
         [--peers plain_tf dsgd_simple dsgd_ps dsgd_ps_fp16 dsgd_ps_bf16 mwms pss dsgd_raytrain horovod]
-        [--out benchmarks/results/peers.json]
+        [--rounds 1] [--out benchmarks/results/peers.json]
+
+With `--rounds R` the whole list runs R times, interleaved (peer A, B, C, A, B, C, ...),
+and `medians` gives each peer's median images/s over the rounds and its ratio to dsgd "ps".
+`dsgd_ps_relayed` is the engine's step with the driver relaying every group
+(`worker_exchange=False`, the step before the workers' own exchange).
 
 Every peer runs in fresh processes (`python benchmarks/peers/<peer>.py ...`), one at a
 time, each with a timeout. Horovod is optional (`bash benchmarks/peers/setup_horovod.sh`);
@@ -31,6 +36,8 @@ PEERS = {  # name: (label, script, extra args, synchronous)
     "plain_tf": ("plain TF, 1 process (ceiling)", "plain_tf.py", [], True),
     "dsgd_simple": ("dsgd simple", "dsgd_peer.py", ["--strategy", "simple"], True),
     "dsgd_ps": ("dsgd ps", "dsgd_peer.py", ["--strategy", "ps"], True),
+    "dsgd_ps_relayed": ("dsgd ps, driver-relayed (before)", "dsgd_peer.py",
+                        ["--strategy", "ps", "--relayed"], True),
     "dsgd_ps_fp16": ("dsgd ps, fp16 compression", "dsgd_peer.py",
                      ["--strategy", "ps", "--compression", "fp16"], True),
     "dsgd_ps_bf16": ("dsgd ps, bf16 compression", "dsgd_peer.py",
@@ -65,17 +72,36 @@ def run_peer(name: str, config: str, workers: int, steps: int, warmup: int) -> d
     return {**row, "status": "ok", **json.loads(results[-1])}
 
 
+def medians(rows: list[dict]) -> list[dict]:
+    """Each (peer, config, N)'s median images/s over the rounds, and its ratio to
+    dsgd "ps"'s median."""
+    import statistics
+
+    by = {}
+    for r in rows:
+        if r["status"] == "ok":
+            by.setdefault((r["peer"], r["config"], r["num_workers"]), []).append(r["images_per_s"])
+    out = [{"peer": k[0], "config": k[1], "num_workers": k[2], "rounds": len(v),
+            "images_per_s_median": statistics.median(v), "images_per_s": v}
+           for k, v in by.items()]
+    for m in out:
+        ps = by.get(("dsgd_ps", m["config"], m["num_workers"]))
+        m["ratio_to_dsgd_ps"] = m["images_per_s_median"] / statistics.median(ps) if ps else None
+    return out
+
+
 def add_ratios(rows: list[dict]) -> None:
-    ok = {(r["peer"], r["config"], r["num_workers"]): r for r in rows if r["status"] == "ok"}
+    ok = {(r["peer"], r["config"], r["num_workers"], r.get("round", 0)): r
+          for r in rows if r["status"] == "ok"}
     for r in rows:
         if r["status"] != "ok":
             continue
-        ps = ok.get(("dsgd_ps", r["config"], r["num_workers"]))
+        ps = ok.get(("dsgd_ps", r["config"], r["num_workers"], r.get("round", 0)))
         r["ratio_to_dsgd_ps"] = r["images_per_s"] / ps["images_per_s"] if ps else None
-        one = ok.get((r["peer"], r["config"], 1))
+        one = ok.get((r["peer"], r["config"], 1, r.get("round", 0)))
         r["scaling_efficiency"] = (r["images_per_s"] / (r["num_workers"] * one["images_per_s"])
                                    if one and r["num_workers"] > 1 else None)
-        plain = ok.get(("plain_tf", r["config"], 1))
+        plain = ok.get(("plain_tf", r["config"], 1, r.get("round", 0)))
         r["ratio_to_plain_tf"] = r["images_per_s"] / plain["images_per_s"] if plain else None
 
 
@@ -86,26 +112,30 @@ def main(argv=None):
     p.add_argument("--peers", nargs="+", choices=list(PEERS), default=list(PEERS))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out", default=os.path.join(RESULTS, "peers.json"))
     args = p.parse_args(argv)
     sys.path.insert(0, HERE)
     import common
 
     rows = []
-    for config in args.configs:
-        for peer in args.peers:
-            for workers in args.workers:
-                if peer == "plain_tf" and workers != 1:
-                    continue
-                rows.append(run_peer(peer, config, workers, args.steps, args.warmup))
-                r = rows[-1]
-                print(f"    {r['status']}" + (f": {r['images_per_s']:.1f} images/s" if r["status"] == "ok"
-                                              else f" ({r.get('error', '')[:200]})"), flush=True)
+    for round_ in range(args.rounds):
+        for config in args.configs:
+            for peer in args.peers:
+                for workers in args.workers:
+                    if peer == "plain_tf" and workers != 1:
+                        continue
+                    rows.append({**run_peer(peer, config, workers, args.steps, args.warmup),
+                                 "round": round_})
+                    r = rows[-1]
+                    print(f"    {r['status']}" + (f": {r['images_per_s']:.1f} images/s" if r["status"] == "ok"
+                                                  else f" ({r.get('error', '')[:200]})"), flush=True)
     add_ratios(rows)
     result = {"benchmark": "peers", "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU",
               "python": platform.python_version(), "configs": args.configs, "workers": args.workers,
               "config_details": {c: common.CONFIGS[c] for c in args.configs},
-              "steps": args.steps, "warmup": args.warmup, "rows": rows}
+              "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "rows": rows,
+              "medians": medians(rows)}
     try:
         import tensorflow as tf
         import ray
