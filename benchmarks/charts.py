@@ -248,7 +248,29 @@ def peers(result: dict, path: str) -> None:
     _save(fig, path, dpi=110)
 
 
-KINDS = {"comm": comm, "step_time": step_time, "overhead": overhead, "stragglers": stragglers,
+def driver_cost(result: dict, path: str) -> None:
+    """driver_cost.py: the driver's CPU per step against the number of workers, per path."""
+    plt = _pyplot()
+    labels = {"relayed": "driver-relayed step (before; backup workers)",
+              "workers": "workers' own exchange, train() (8 steps per call)",
+              "workers_step": "workers' own exchange, one step per call"}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for path_name, label in labels.items():
+        rows = sorted((r for r in result["rows"] if r.get("path") == path_name),
+                      key=lambda r: r["num_workers"])
+        if rows:
+            ax.plot([r["num_workers"] for r in rows], [r["driver_cpu_ms_per_step"] for r in rows],
+                    marker="o", label=label)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("driver CPU ms per step (user + system)")
+    ax.set_yscale("log")
+    ax.set_title(f"{result['mib']:g} MiB of gradients in {result['shard_mib']:g} MiB shards")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+KINDS = {"driver_cost": driver_cost, "comm": comm, "step_time": step_time, "overhead": overhead, "stragglers": stragglers,
          "ingest": ingest, "trainer_overhead": trainer_overhead, "chaos": chaos, "peers": peers}
 
 # The charts benchmarks/README.md shows: PNG -> (chart, the JSON files it is drawn from).
@@ -263,6 +285,7 @@ CHARTS = {
     "resnet_synthetic.png": (resnet_synthetic, ["resnet_synthetic_resnet50_1w_cpu.json",
                                                 "resnet_synthetic_resnet101_1w_cpu.json"]),
     "peers.png": (peers, ["peers.json"]),
+    "driver_cost.png": (driver_cost, ["driver_cost.json"]),
 }
 
 
