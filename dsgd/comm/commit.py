@@ -19,15 +19,20 @@ APPLY, SKIP, HALT, EPOCH_END = "apply", "skip", "halt", "epoch_end"
 
 
 def meta(slot: int, finite: list[bool] | None, metric_names: list[str] | None,
-         error: BaseException | None = None) -> dict:
+         error: BaseException | None = None, report: dict | None = None) -> dict:
     """What a worker sends with its gradient (`finite` None: its data's epoch
     ended; `error`: its step raised, so it sends no gradient and the others stop
-    at once instead of waiting for it)."""
+    at once instead of waiting for it). `report`: its losses, metric values and
+    samples, so that a survivor can give the driver the report of a worker
+    that died after the step (Worker.recent_reports)."""
     if error is not None:
         return {"slot": slot, "error": f"{type(error).__name__}: {error}"}
     if finite is None:
         return {"slot": slot, "epoch_end": True}
-    return {"slot": slot, "finite": list(finite), "metrics": sorted(metric_names or [])}
+    out = {"slot": slot, "finite": list(finite), "metrics": sorted(metric_names or [])}
+    if report is not None:
+        out["report"] = report
+    return out
 
 
 @dataclass(frozen=True)

@@ -188,12 +188,13 @@ class ParameterServer:
         with self._arrivals:
             attempt = key[1] >> ATTEMPT_SHIFT
             if attempt < self._attempt:
+                part = None  # (not pinned by the error's traceback)
                 raise ExchangeAbandoned(f"dsgd PS {self.ps_index}: {key[0]} {key[1]} abandoned: "
                                         f"attempt {attempt} was given up after a failure")
             self._end_older_attempts(attempt)
             meeting = self._pending.setdefault(key, _Rendezvous())
             meeting.needed = tuple(needed)
-            meeting.parts[rank] = part
+            meeting.parts[rank], part = part, None  # the meeting holds it (not this frame)
             last = not meeting.combining and all(r in meeting.parts for r in needed)
             meeting.combining = meeting.combining or last
         if last:  # combine outside the lock: other exchanges keep arriving meanwhile
@@ -220,15 +221,21 @@ class ParameterServer:
     def _end_older_attempts(self, attempt: int) -> None:
         """(holding `_arrivals`) A part of attempt `attempt` arrived: pending exchanges
         of older attempts will never complete (their step is being retried); end
-        them with an error for their callers."""
+        them with an error for their callers. Completed ones that a dead worker
+        will never collect are dropped too (they hold their result object: a
+        leak per failure otherwise); callers already waiting keep their meeting."""
         if attempt <= self._attempt:
             return
         self._attempt = attempt
         for key, meeting in list(self._pending.items()):
-            if key[1] >> ATTEMPT_SHIFT < attempt and not meeting.done:
-                meeting.finish(None, ExchangeAbandoned(
-                    f"dsgd PS {self.ps_index}: {key[0]} {key[1]} abandoned: attempt "
-                    f"{key[1] >> ATTEMPT_SHIFT} was given up after a failure"))
+            if key[1] >> ATTEMPT_SHIFT < attempt:
+                if not meeting.done:
+                    meeting.finish(None, ExchangeAbandoned(
+                        f"dsgd PS {self.ps_index}: {key[0]} {key[1]} abandoned: attempt "
+                        f"{key[1] >> ATTEMPT_SHIFT} was given up after a failure"))
+                # The parts are store views of the workers' objects: a caller's frame
+                # kept by its error's traceback would pin them otherwise.
+                meeting.parts.clear()
                 del self._pending[key]
         self._arrivals.notify_all()
 

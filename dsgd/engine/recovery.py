@@ -53,6 +53,39 @@ class Recovery:
 
     def recover(self, error: BaseException, between_steps: bool = False,
                 call: str | None = None) -> bool:
+        """`_recover_once`, again as often as a failure interrupts it: a replacement
+        or the survivor being copied that dies (or hangs, with replace_hung)
+        while the recovery runs is recovered from the same way, each counted
+        against max_failures (a failure record per interrupted recovery). The
+        workers the interrupted pass started are killed first: what state they
+        hold is not known, so they are replaced like dead ones. Returns and
+        raises as `_recover_once`."""
+        while True:
+            before = {s: self.actors.worker(s) for s in self.actors.slots}
+            start = time.perf_counter()
+            try:
+                return self._recover_once(error, between_steps, call)
+            except (*actor_died_errors(), StepTimeoutError) as again:
+                if isinstance(again, StepTimeoutError) and not failures.recovers_hang(
+                        self.config.replace_hung, again.late):
+                    raise
+                self.actors.check_open("recovering")
+                for slot in list(self.actors.slots):
+                    handle = self.actors.worker(slot)
+                    if before.get(slot) is not handle:
+                        self.actors.kill(handle)  # started by the interrupted pass
+                step = self.progress.steps_done + (0 if between_steps or call else 1)
+                logger.warning("%s: %s while recovering from %s; recovering again",
+                               call or f"step {step}", first_line(again), type(error).__name__)
+                self.progress.failed({"step": step, "error": type(again).__name__,
+                                      "reason": f"{first_line(again)} (while recovering from "
+                                                f"{type(error).__name__})",
+                                      "recovery_s": time.perf_counter() - start,
+                                      **({"call": call} if call else {})})
+                error = again
+
+    def _recover_once(self, error: BaseException, between_steps: bool = False,
+                call: str | None = None) -> bool:
         """Carry out what failures.decide says after `error`. Returns True if the
         interrupted step had been applied (do not retry it). Raises if the policy
         says the error is not recoverable. between_steps: the failure was found

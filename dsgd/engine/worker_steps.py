@@ -104,6 +104,10 @@ class WorkerSteps:
         failure = self._failure(outcome, pending)
         reports = {k: out for k, out in outcome.items() if isinstance(out, list)}
         errors = [out for out in outcome.values() if not isinstance(out, list)]
+        # Rows of workers whose call failed (a death) for the steps they applied
+        # before it, rebuilt from the metas a survivor received with the means.
+        lost = [k for k in range(len(self.workers)) if k not in reports]
+        rebuilt = self._rebuilt_rows(reports, lost) if failure is not None and lost else {}
         if failure is None and errors:
             raise _first(errors)  # the first step of every worker raised: nothing applied
         results = []
@@ -118,8 +122,10 @@ class WorkerSteps:
             if any(r.get("epoch_end") for r in rows):
                 results.append(StepResult(rows, [], len(self.workers), epoch_end=True))
                 return results
-            rows = [reports[k][i] for k in sorted(reports)]
-            decision = rows[0]["decision"]
+            decision = reports[min(reports)][i]["decision"]
+            rows = [reports[k][i] if k in reports else rebuilt.get((self.seqs[i], k))
+                    for k in range(len(self.workers))]
+            rows = [r for r in rows if r is not None]
             applied = [{"apply_s": r["apply_s"], "exchange_s": r["exchange_s"],
                         "step_s": step_s} for r in rows]
             if decision == "halt":
@@ -133,6 +139,29 @@ class WorkerSteps:
             raise DsgdError(f"{self.label}: the workers ran {len(results)} of {self.size} steps "
                             "and named no failure (an exchange of a given-up attempt?)")
         return results
+
+    def _rebuilt_rows(self, reports: dict, lost: list[int]) -> dict:
+        """{(exchange number, worker position): report row} for the `lost` workers,
+        from a survivor's record of every worker's meta (Worker.recent_reports);
+        empty if no survivor can say (their rows are then left out)."""
+        import ray
+
+        survivor = self.workers[min(reports)]
+        try:
+            metas = ray.get(survivor.recent_reports.remote(self.seqs),
+                            timeout=self.config.step_timeout_s)
+        except Exception:  # noqa: BLE001 - the survivors' rows still count the step
+            return {}
+        rows = {}
+        for seq, step_metas in metas.items():
+            for k in lost:
+                meta = step_metas[k] if k < len(step_metas) else None
+                if meta is None or "report" not in meta:
+                    continue
+                rows[(seq, k)] = {**meta["report"], "finite": meta["finite"], "data_s": 0.0,
+                                  "compute_s": 0.0, "exchange_s": 0.0, "apply_s": 0.0,
+                                  "rebuilt": True}
+        return rows
 
     def _collect(self) -> tuple[dict, list]:
         """Every worker's reports (or the exception its call raised), by position;

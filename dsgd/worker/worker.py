@@ -52,6 +52,7 @@ class Worker:
         self._loaders: dict = {}  # data feed key -> loader (dsgd/data/feeds.py)
         self._halted_run = None  # local_steps, exchange_steps: the run that was stopped
         self._exchange = None  # (PSClient, layout, on_nonfinite) after join()
+        self._recent_metas: dict = {}  # exchange number -> every worker's meta (recent steps)
         self.replicas = Replicas(model_creator, worker_index, devices_per_worker, gpu,
                                  all_reduce_alg)
 
@@ -210,8 +211,11 @@ class Worker:
                 info = self._exchange_step(data, seq)
             except (*actor_died_errors(), StepTimeoutError, ExchangeAbandoned) as e:
                 self._halted_run = run
-                infos.append({"failure": _picklable(e),
-                              "abandoned": isinstance(e, ExchangeAbandoned)})
+                # Without its traceback: its frames hold the step's object refs (the
+                # group parts put for the PS), which the returned error would keep.
+                failure = _picklable(e).with_traceback(None)
+                failure.__context__ = failure.__cause__ = None
+                infos.append({"failure": failure, "abandoned": isinstance(e, ExchangeAbandoned)})
                 break
             except Exception as e:
                 self._halted_run = run
@@ -261,8 +265,13 @@ class Worker:
                   "samples": samples, "data_s": data_s}
         sent = time.perf_counter()
         report["compute_s"] = sent - start
+        mine = {k: report[k] for k in ("losses", "metrics", "samples")}
         means, metas = client.step(layout, pieces, commit.meta(self.worker_index, finite,
-                                                               list(metrics)), seq, label)
+                                                               list(metrics), report=mine),
+                                   seq, label)
+        self._recent_metas[seq] = metas
+        while len(self._recent_metas) > 64:
+            del self._recent_metas[next(iter(self._recent_metas))]
         decision = commit.decide(metas, on_nonfinite)
         exchanged = time.perf_counter()
         if decision.action == commit.APPLY:
@@ -273,6 +282,12 @@ class Worker:
                       applied=decision.action == commit.APPLY, decision=decision.action,
                       nonfinite=list(decision.nonfinite))
         return report
+
+    def recent_reports(self, seqs: list[int]) -> dict:
+        """{exchange number: every worker's meta (rank order)} of the recent steps
+        among `seqs` this worker exchanged: the driver rebuilds from them the
+        reports of a worker that died after applying them."""
+        return {seq: self._recent_metas[seq] for seq in seqs if seq in self._recent_metas}
 
     def compute(self, groups: tuple[tuple[int, ...], ...], data=None):
         """This step's gradients, averaged across local replicas, streamed group by
