@@ -107,7 +107,8 @@ class WorkerSteps:
         # Rows of workers whose call failed (a death) for the steps they applied
         # before it, rebuilt from the metas a survivor received with the means.
         lost = [k for k in range(len(self.workers)) if k not in reports]
-        rebuilt = self._rebuilt_rows(reports, lost) if failure is not None and lost else {}
+        rebuilt = self._rebuilt_rows(reports, lost) if failure is not None and lost and reports \
+            else {}
         if failure is None and errors:
             raise _first(errors)  # the first step of every worker raised: nothing applied
         results = []
