@@ -22,9 +22,9 @@ def test_chaos_loses_no_step_and_ends_with_the_uninterrupted_weights():
     faults = chaos.Chaos(seed=1, gcs_address=ray.get_runtime_context().gcs_address)
     faults.start()
     try:
-        engine = chaos.engine_phase(30, faults)
+        engine = chaos.engine_phase(35, faults)
         faults.reap()
-        trainer = chaos.trainer_phase(20, faults)
+        trainer = chaos.trainer_phase(22, faults)
     finally:
         faults.halt.set()
         faults.active.clear()
