@@ -155,12 +155,7 @@ class Worker:
                 info = self.local_step(data)
             except Exception as e:
                 self._halted_run = run  # nothing queued behind this call runs either
-                if not infos:
-                    raise
-                # The steps before it were applied: report them, and the error.
-                e.add_note(f"(worker {self.worker_index}, step {len(infos) + 1} of a call of "
-                           f"{len(datas)} local steps; the {len(infos)} before it were applied)")
-                infos.append({"error": _picklable(e)})
+                infos.append(self._step_error(e, infos, len(datas), "local steps"))
                 break
             infos.append(info)
             if info.get("epoch_end"):
@@ -169,6 +164,16 @@ class Worker:
                 self._halted_run = run
                 break
         return infos
+
+    def _step_error(self, e: Exception, infos: list, total: int, what: str) -> dict:
+        """A step of a call of several raised: re-raised if it was the first (nothing
+        applied); else the steps before it were applied, so it is reported after
+        them, as {"error": e}, with a note saying which step of the call it was."""
+        if not infos:
+            raise e
+        e.add_note(f"(worker {self.worker_index}, step {len(infos) + 1} of a call of {total} "
+                   f"{what}; the {len(infos)} before it were applied)")
+        return {"error": _picklable(e)}
 
     def join(self, rank: int, peers: list, ps: list, ps_names: list[str], layout,
              timeout_s: float, on_nonfinite: str) -> None:
@@ -219,11 +224,7 @@ class Worker:
                 break
             except Exception as e:
                 self._halted_run = run
-                if not infos:
-                    raise
-                e.add_note(f"(worker {self.worker_index}, step {len(infos) + 1} of a call of "
-                           f"{len(datas)} steps; the {len(infos)} before it were applied)")
-                infos.append({"error": _picklable(e)})
+                infos.append(self._step_error(e, infos, len(datas), "steps"))
                 break
             infos.append(info)
             if info.get("epoch_end"):
