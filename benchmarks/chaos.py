@@ -184,8 +184,28 @@ def engine_sgd():
                                max_failures=1000)
 
 
-def engine_phase(seconds: float, chaos: Chaos | None, steps: int | None = None) -> dict:
-    """Chunks of CHUNK_STEPS steps until `seconds` have passed (or `steps` steps)."""
+def recovered_in(chaos: Chaos | None, phase: str) -> int:
+    """Faults injected in `phase` that dsgd has recorded as recovered."""
+    if chaos is None:
+        return 0
+    return len([f for f in chaos.faults if f["phase"] == phase and f["recovered_after_s"] is not None])
+
+
+def keep_going(chaos: Chaos | None, phase: str, elapsed: float, seconds: float, min_faults: int,
+               max_seconds: float | None) -> bool:
+    """True while under `seconds`, or, past them, while fewer than `min_faults` of the
+    phase's faults are recovered and `max_seconds` (default 3 x seconds) has not passed:
+    a fault costs 5-50 s depending on where it lands, so time alone does not fix the count."""
+    if elapsed < seconds:
+        return True
+    cap = max_seconds if max_seconds is not None else 3 * seconds
+    return recovered_in(chaos, phase) < min_faults and elapsed < cap
+
+
+def engine_phase(seconds: float, chaos: Chaos | None, steps: int | None = None,
+                 min_faults: int = 0, max_seconds: float | None = None) -> dict:
+    """Chunks of CHUNK_STEPS steps until `seconds` have passed and `min_faults` faults
+    are recovered (see keep_going), or `steps` steps."""
     x, y = data(ROWS, 0)
     dataset = dsgd.Dataset(list(zip(x, y)), batch_size=BATCH)
     with engine_sgd() as sgd:
@@ -194,7 +214,8 @@ def engine_phase(seconds: float, chaos: Chaos | None, steps: int | None = None) 
             chaos.active.set()
         start, asked = time.perf_counter(), 0
         try:
-            while (steps is None and time.perf_counter() - start < seconds) or \
+            while (steps is None and keep_going(chaos, "engine", time.perf_counter() - start,
+                                                seconds, min_faults, max_seconds)) or \
                     (steps is not None and asked < steps):
                 n = CHUNK_STEPS if steps is None else min(CHUNK_STEPS, steps - asked)
                 sgd.train(n, dataset=dataset, desc="engine")
@@ -207,8 +228,10 @@ def engine_phase(seconds: float, chaos: Chaos | None, steps: int | None = None) 
                 "weights": sgd.get_weights(), "failures": sgd.failures}
 
 
-def trainer_phase(seconds: float, chaos: Chaos | None, epochs: int | None = None) -> dict:
-    """Epochs (each: train, validate, save) until `seconds` have passed (or `epochs`)."""
+def trainer_phase(seconds: float, chaos: Chaos | None, epochs: int | None = None,
+                  min_faults: int = 0, max_seconds: float | None = None) -> dict:
+    """Epochs (each: train, validate, save) until `seconds` have passed and `min_faults`
+    faults are recovered (see keep_going), or `epochs` epochs."""
     with tempfile.TemporaryDirectory() as tmp, dsgd.Trainer(
             Operator, num_workers=2, config={dsgd.BATCH_SIZE: 2 * BATCH},
             step_timeout_s=STEP_TIMEOUT_S, max_failures=1000) as trainer:
@@ -217,7 +240,8 @@ def trainer_phase(seconds: float, chaos: Chaos | None, epochs: int | None = None
             chaos.active.set()
         start, results = time.perf_counter(), []
         try:
-            while (epochs is None and time.perf_counter() - start < seconds) or \
+            while (epochs is None and keep_going(chaos, "trainer", time.perf_counter() - start,
+                                                 seconds, min_faults, max_seconds)) or \
                     (epochs is not None and len(results) < epochs):
                 result = trainer.train()
                 validation = trainer.validate()  # its num_samples: the validation set's

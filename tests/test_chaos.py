@@ -22,9 +22,11 @@ def test_chaos_loses_no_step_and_ends_with_the_uninterrupted_weights():
     faults = chaos.Chaos(seed=1, gcs_address=ray.get_runtime_context().gcs_address)
     faults.start()
     try:
-        engine = chaos.engine_phase(35, faults)
+        # At least 2 recovered faults per phase, however long they take (up to 90 s):
+        # a fixed time gave 3 faults in one CI run and 5-7 in others.
+        engine = chaos.engine_phase(25, faults, min_faults=2, max_seconds=90)
         faults.reap()
-        trainer = chaos.trainer_phase(22, faults)
+        trainer = chaos.trainer_phase(15, faults, min_faults=2, max_seconds=90)
     finally:
         faults.halt.set()
         faults.active.clear()
