@@ -251,16 +251,20 @@ def peers(result: dict, path: str) -> None:
 def driver_cost(result: dict, path: str) -> None:
     """driver_cost.py: the driver's CPU per step against the number of workers, per path."""
     plt = _pyplot()
-    labels = {"relayed": "driver-relayed step (before; backup workers)",
-              "workers": "workers' own exchange, train() (8 steps per call)",
+    labels = {"relayed": "driver-relayed step (backup workers)",
+              "workers": "workers' own exchange, train()",
               "workers_step": "workers' own exchange, one step per call"}
     fig, ax = plt.subplots(figsize=(6, 4))
-    for path_name, label in labels.items():
-        rows = sorted((r for r in result["rows"] if r.get("path") == path_name),
-                      key=lambda r: r["num_workers"])
-        if rows:
-            ax.plot([r["num_workers"] for r in rows], [r["driver_cpu_ms_per_step"] for r in rows],
-                    marker="o", label=label)
+    versions = list(dict.fromkeys(r.get("label", "") for r in result["rows"]))
+    for version in versions:  # code versions (before/after a change) in one file
+        for path_name, label in labels.items():
+            rows = sorted((r for r in result["rows"] if r.get("path") == path_name
+                           and r.get("label", "") == version), key=lambda r: r["num_workers"])
+            if rows:
+                name = f"{label}: {version.split(':')[0]}" if len(versions) > 1 else label
+                ax.plot([r["num_workers"] for r in rows],
+                        [r["driver_cpu_ms_per_step"] for r in rows], marker="o", label=name,
+                        linestyle="--" if version != versions[-1] else "-")
     ax.set_xlabel("workers")
     ax.set_ylabel("driver CPU ms per step (user + system)")
     ax.set_yscale("log")

@@ -17,12 +17,19 @@ Paths, measured interleaved for each N in one run (`--paths`):
   the engine's "ps" step before the workers' own exchange, and still the path of
   backup workers): N*(P+1) streamed items, P PS calls and N applies per step;
 - `workers`: the workers' own exchange (the default), `train()` running
-  `local_steps_per_call` (8) steps per call of each worker;
+  max(8, 4 x N) steps per call of each worker (`local_steps_per_call=None`),
+  worker 0 reporting every worker's totals per step and each worker its own
+  figures per call (dsgd/comm/reports.py);
 - `workers_step`: the same with one step per call (`local_steps_per_call=1`, as
   `step()` runs): the driver's cost per call, not amortised.
 
 Work per step that grows with N in the driver is the thing this measures
-(STYLE 16): the target is N=8 within 1.5x of N=2. On a 2-core machine N workers
+(STYLE 16): the target is N=8 within 1.5x of N=2. An idle driver process
+burns CPU too (Ray's timers and polling threads, measured over a sleep of
+IDLE_S seconds before each run as `idle_cpu_ms_per_s`), per second of wall
+time: with N workers sharing 2 cores a step takes longer as N grows, so
+that share grows with N whatever the driver does per step.
+`driver_cpu_ms_per_step_net_of_idle` subtracts it; both are reported. On a 2-core machine N workers
 share the cores, so wall time grows with N whatever the driver does; the
 driver's CPU is the figure to compare.
 
@@ -48,6 +55,7 @@ import dsgd  # noqa: E402
 
 MIB = 2**20
 NUM_VARIABLES = 8
+IDLE_S = 3.0
 
 
 class FlatModel(dsgd.Model):
@@ -85,12 +93,21 @@ def measure(num_workers: int, steps: int, mib: float, shard_mib: float, warmup: 
                               step_timeout_s=120, **PATHS[path])
     try:
         sgd.train(num_steps=warmup)
+        # The driver process's CPU while it waits with nothing to do (Ray's own
+        # timers and polling threads): paid per second of wall time, not per step.
+        idle0 = time.process_time()
+        time.sleep(IDLE_S)
+        idle_ms_per_s = 1000 * (time.process_time() - idle0) / IDLE_S
         cpu0, wall0 = time.process_time(), time.perf_counter()
         summary = sgd.train(num_steps=steps)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         return {"path": path, "num_workers": num_workers, "steps": steps, "num_ps": len(sgd.ps_actors),
                 "num_shards": sgd.plan.num_shards, "num_groups": len(sgd.shard_groups),
                 "driver_cpu_ms_per_step": 1000 * cpu / steps,
+                "idle_cpu_ms_per_s": idle_ms_per_s,
+                # The same less what an idle driver burns over the step's wall time.
+                "driver_cpu_ms_per_step_net_of_idle":
+                    max(0.0, 1000 * cpu / steps - idle_ms_per_s * wall / steps),
                 "wall_ms_per_step": 1000 * wall / steps,
                 "median_step_ms": 1000 * summary["step_s"]}
     finally:
@@ -142,8 +159,12 @@ def main(argv=None) -> dict:
     # "workers"), and each path's figure at the largest N over "relayed"'s (<= 0.25).
     for path in args.paths:
         by_n = {r["num_workers"]: r["driver_cpu_ms_per_step"] for r in rows if r["path"] == path}
+        net = {r["num_workers"]: r["driver_cpu_ms_per_step_net_of_idle"] for r in rows
+               if r["path"] == path}
         if len(by_n) > 1:
             result.setdefault("growth", {})[f"{label}/{path}"] = by_n[max(by_n)] / by_n[min(by_n)]
+            result.setdefault("growth_net_of_idle", {})[f"{label}/{path}"] = \
+                net[max(net)] / net[min(net)] if net[min(net)] > 0 else float("nan")
         if path != "relayed" and "relayed" in args.paths:
             top = max(by_n)
             base = [r["driver_cpu_ms_per_step"] for r in rows
@@ -154,6 +175,7 @@ def main(argv=None) -> dict:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({"out": args.out, "growth": result.get("growth"),
+                      "growth_net_of_idle": result.get("growth_net_of_idle"),
                       "over_relayed": result.get("over_relayed")}))
     return result
 

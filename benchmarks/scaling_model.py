@@ -194,11 +194,13 @@ def step_time(c: Config, k: Inputs) -> dict:
 def driver_fit(path: str) -> tuple[tuple[float, float], str]:
     """(a, b) of the driver's CPU per step, a + b * N seconds, on the workers' own
     exchange: a least-squares line through benchmarks/driver_cost.py's "workers"
-    rows (train(), 8 steps per call). (0, 0) without the file."""
+    rows (train() with its default steps per call) of the last code version in
+    the file (its last label). (0, 0) without the file."""
     if not os.path.exists(path):
         return (0.0, 0.0), "not measured (run benchmarks/driver_cost.py)"
     with open(path) as f:
         rows = [r for r in json.load(f)["rows"] if r.get("path") == "workers"]
+    rows = [r for r in rows if r.get("label") == rows[-1].get("label")] if rows else rows
     if len(rows) < 2:
         return (0.0, 0.0), f"{path}: no 'workers' rows"
     xs = [r["num_workers"] for r in rows]

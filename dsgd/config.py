@@ -50,7 +50,7 @@ class Config:
     worker_init: Callable[[], Any] | None = None
     compression: str | None = None
     apply_per_group: bool = True
-    local_steps_per_call: int = constants.LOCAL_STEPS_PER_CALL
+    local_steps_per_call: int | None = None
     backup_workers: int = 0
     worker_exchange: bool = True
     snapshot_interval_s: float | None = constants.DEFAULT_SNAPSHOT_INTERVAL_S
@@ -110,7 +110,8 @@ class Config:
         if self.local and self.num_workers != 1:
             raise ValueError(f"local=True runs one worker in this process: num_workers must be "
                              f"1, got {self.num_workers}")
-        _positive_int("local_steps_per_call", self.local_steps_per_call)
+        if self.local_steps_per_call is not None:
+            _positive_int("local_steps_per_call", self.local_steps_per_call)
         if isinstance(self.backup_workers, bool) \
                 or not isinstance(self.backup_workers, (int, np.integer)) \
                 or not 0 <= self.backup_workers < self.num_workers:
@@ -145,6 +146,17 @@ class Config:
         """The same while actors start: start-up is slow by nature (seconds to
         import TensorFlow), so reports come less often."""
         return max(self.stall_report_s, constants.START_STALL_WARNING_S)
+
+    def steps_per_call(self, num_workers: int, exchange: bool) -> int:
+        """`train()`'s steps per actor call: `local_steps_per_call` when given; by
+        default LOCAL_STEPS_PER_CALL with one worker, and on the workers' own
+        exchange (`exchange`) max(LOCAL_STEPS_PER_CALL, CALL_STEPS_PER_WORKER x
+        num_workers), so that the driver's calls per step do not grow with N."""
+        if self.local_steps_per_call is not None:
+            return self.local_steps_per_call
+        if exchange:
+            return max(constants.LOCAL_STEPS_PER_CALL, constants.CALL_STEPS_PER_WORKER * num_workers)
+        return constants.LOCAL_STEPS_PER_CALL
 
     @property
     def uses_ps(self) -> bool:

@@ -17,10 +17,15 @@ DEFAULT_GRAD_SHARD_BYTES = 10_000_000
 # late PS surfaces as the driver's StepTimeoutError.
 WORKER_WAIT_MARGIN_S = 5.0
 LOCAL_STEPS_PER_CALL = 8
-"""Default `local_steps_per_call`: `train()` runs this many steps per actor call
-(one worker: Worker.local_steps; several, strategy "ps": Worker.exchange_steps),
-so Ray's cost per call is paid once per that many steps; the progress bar moves
-in such chunks."""
+"""`local_steps_per_call=None` (the default): `train()` runs this many steps per
+actor call with one worker (Worker.local_steps), so Ray's cost per call is paid
+once per that many steps; the progress bar moves in such chunks."""
+CALL_STEPS_PER_WORKER = 4
+"""`local_steps_per_call=None` on the workers' own exchange (Worker.exchange_steps):
+a call of each worker runs max(LOCAL_STEPS_PER_CALL, CALL_STEPS_PER_WORKER x N)
+steps, so that the driver makes at most one call per this many steps whatever
+the number of workers N (its cost per call is O(N): one call and one tally per
+worker)."""
 # Each worker and PS actor faults in its page-table entries for this many
 # steps' worth of objects at the start of its object-store mapping
 # ((num_workers + 1) x gradient bytes per step; see store.warm).

@@ -128,6 +128,15 @@ def test_train_with_a_step_in_flight_matches_single_process_training(run):
     for got, w in zip(assert_replicas_identical(sgd), want, strict=True):
         np.testing.assert_allclose(got, w, rtol=0, atol=TOL)
     assert summary["loss"] == pytest.approx(float(np.mean(losses)), abs=TOL)
+    # Each worker's figures come once per call (dsgd/comm/reports.py): both workers'
+    # batches of every step, and their losses average to the steps' losses.
+    workers = summary["workers"]
+    assert [w["batch_count"] for w in workers] == [STEPS + 2] * 2
+    assert [w["num_samples"] for w in workers] == [(STEPS + 2) * BATCH] * 2
+    assert summary["num_samples"] == 2 * (STEPS + 2) * BATCH
+    mean = sum(w["sums"]["loss"] for w in workers) / sum(w["num_samples"] for w in workers)
+    assert mean == pytest.approx(float(np.mean(losses)), abs=TOL)
+    assert np.mean([w["last"]["loss"] for w in workers]) == pytest.approx(losses[-1], abs=TOL)
 
 
 # (Steps chosen from the configuration, not parametrised beside it: a parameter that
@@ -141,7 +150,7 @@ def test_one_worker_train_in_calls_of_several_steps_matches_single_process_train
     one model."""
     key = request.node.callspec.params["run"]
     steps = {"1x2-simple-adam": 7, "1x1-ps-sgdm": 20}[key]
-    assert run.sgd.config.local_steps_per_call == LOCAL_STEPS_PER_CALL.get(
+    assert run.sgd.config.steps_per_call(1, False) == LOCAL_STEPS_PER_CALL.get(
         key, dsgd.constants.LOCAL_STEPS_PER_CALL) == (3 if steps == 7 else 8)
     sgd = run.reset()
     summary = sgd.train(num_steps=steps)

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from dsgd import progress as progress_bar
+from dsgd.comm import reports
 from dsgd.engine.feeds import FeedEntry
 from dsgd.engine.loop import StepLoop
 from dsgd.engine.state import Progress
@@ -84,6 +85,9 @@ class Tally:
         # Steps that ran in one call (one worker) come together: their share of its time.
         step_s = result.step_s if result.step_s is not None else step_s
         self.times["step_s"].append(step_s)
+        if result.summary is not None:  # every worker's totals, one row (WorkerSteps)
+            self._add_summary(result, step_s)
+            return
         if infos is None:  # the step was applied before a failure interrupted it
             return
         compute_s = max(info.get("compute_s", 0.0) for info in infos)
@@ -97,16 +101,21 @@ class Tally:
         while len(self.workers) <= max(slots):
             self.workers.append(_worker_tally())
         for slot, info in zip(slots, infos):
-            worker = self.workers[slot]
-            samples = int(info.get("samples", 0))
-            values = {"loss": float(np.mean(info["losses"]))}
-            values.update({k: float(np.mean(v)) for k, v in info.get("metrics", {}).items()})
-            worker["num_samples"] += samples
-            worker["batch_count"] += 1
-            for key, value in values.items():
-                worker["sums"][key] = worker["sums"].get(key, 0.0) + value * max(samples, 1)
-                worker["last"][key] = value
-            self.samples += samples
+            self.samples += reports.add_step(self.workers[slot], info)
+
+    def _add_summary(self, result: StepResult, step_s: float) -> None:
+        summary = result.summary
+        compute_s, apply_s = summary["compute_s"], summary["apply_s"]
+        for key, value in (("data_s", summary["data_s"]), ("compute_s", compute_s),
+                           ("apply_s", apply_s),
+                           ("exchange_s", max(0.0, step_s - compute_s - apply_s))):
+            self.times[key].append(value)
+        self.losses.append(summary["loss"])
+        self.samples += summary["samples"]
+        for slot, tally in sorted((result.tallies or {}).items()):
+            while len(self.workers) <= slot:
+                self.workers.append(_worker_tally())
+            reports.merge(self.workers[slot], tally)
 
     def summary(self, progress: Progress, epoch_ended: bool, train_s: float,
                 stragglers=None) -> dict:
@@ -132,8 +141,7 @@ class Tally:
 
 
 def _worker_tally() -> dict:
-    return {"num_samples": 0, "batch_count": 0, "sums": {}, "last": {}, "dropped_batches": 0,
-            "dropped_samples": 0}
+    return reports.worker_tally()
 
 
 def _dropped(stragglers) -> tuple[dict, dict]:

@@ -239,8 +239,10 @@ class StepLoop:
             self.recovery.admit_joiners()
         if workers_exchange(self.config, self.actors.num_workers):
             self._join()
-            size = 1 if count is None else min(self.config.local_steps_per_call, count - done)
-            datas = [self._step_args(entry, offset + k) for k in range(size)]
+            size = 1 if count is None else \
+                min(self.config.steps_per_call(self.actors.num_workers, True), count - done)
+            datas = None if entry is None else [self._step_args(entry, offset + k)
+                                                for k in range(size)]
             seqs = [sequence_number(self._attempts.current, next(self._sequence))
                     for _ in range(size)]
             return WorkerSteps(self.config, self.actors, datas, seqs, self._attempts, run_id,
@@ -252,7 +254,7 @@ class StepLoop:
                                 need).submit()
         size = 1
         if count is not None and self.actors.num_workers == self.config.num_workers:
-            size = min(self.config.local_steps_per_call, count - done)
+            size = min(self.config.steps_per_call(1, False), count - done)
         data = [self._step_args(entry, offset + k)[0] for k in range(size)]
         return LocalSteps(self.config, self.actors, data, run_id, number).submit()
 
@@ -337,8 +339,11 @@ class StepLoop:
         """Count one step, applied or skipped, and move the data on by the rows of
         the workers it ran on. Returns the NonFiniteError to raise for an applied
         step with a non-finite gradient (one worker, on_nonfinite="raise")."""
-        bad = self._nonfinite(result.infos, result.contributors) \
-            if result.infos is not None else []
+        if result.summary is not None:
+            bad = [tuple(b) for b in result.summary["nonfinite"]]
+        else:
+            bad = self._nonfinite(result.infos, result.contributors) \
+                if result.infos is not None else []
         if bad and result.skipped:
             logger.warning("step %d skipped: non-finite gradient on %s.%s",
                            self.progress.steps_done + 1,
@@ -370,8 +375,8 @@ class StepLoop:
                 logger.warning("step %d: non-finite gradient on replica(s) %s, applied "
                                "(reported here: another error is being raised)",
                                self.progress.steps_done,
-                               [r for info in result.infos for r, ok in enumerate(info["finite"])
-                                if not ok])
+                               [r for info in result.infos or [] for r, ok in
+                                enumerate(info["finite"]) if not ok])
 
     def _nonfinite(self, infos: list[dict], slots: list[int] | None = None
                    ) -> list[tuple[int, int]]:

@@ -134,7 +134,10 @@ class DistributedSGD:
             group's mean is in.)
         local_steps_per_call: (performance switch, never changes results)
             `train()`: steps per actor call with one worker, and per call of
-            each worker on the workers' own exchange.
+            each worker on the workers' own exchange. None (default): 8 with
+            one worker; max(8, 4 x num_workers) on the workers' exchange, so
+            that the driver makes one call per 4 steps or fewer whatever the
+            number of workers (the progress bar moves in such chunks).
         worker_exchange: (performance switch, never changes results) strategy
             "ps" with several workers and no backup workers: True (default)
             has each worker send its groups to the PS actors and read the means
@@ -191,7 +194,7 @@ class DistributedSGD:
                  replace_hung: bool = False, worker_init: Callable[[], Any] | None = None,
                  compression: str | None = None, backup_workers: int = 0,
                  local: bool = False, apply_per_group: bool = True,
-                 local_steps_per_call: int = constants.LOCAL_STEPS_PER_CALL,
+                 local_steps_per_call: int | None = None,
                  worker_exchange: bool = True,
                  snapshot_interval_s: float | None = constants.DEFAULT_SNAPSHOT_INTERVAL_S):
         self.config = Config(
@@ -360,8 +363,11 @@ class DistributedSGD:
             return None
         step_s = time.perf_counter() - start
         infos = result.infos
-        losses = [x for info in infos for x in info["losses"]] if infos else [float("nan")]
-        compute_s = max(info["compute_s"] for info in infos) if infos else 0.0
+        if result.summary is not None:  # the workers' own exchange: every worker's totals
+            losses, compute_s = [result.summary["loss"]], result.summary["compute_s"]
+        else:
+            losses = [x for info in infos for x in info["losses"]] if infos else [float("nan")]
+            compute_s = max(info["compute_s"] for info in infos) if infos else 0.0
         apply_s = max(a["apply_s"] for a in result.applied)
         stats = {"loss": float(np.mean(losses)), "compute_s": compute_s,
                  "exchange_s": max(0.0, step_s - compute_s - apply_s), "apply_s": apply_s,

@@ -58,6 +58,11 @@ class StepResult:
         several workers (the loop raises NonFiniteError; nothing is counted).
     failure: an actor died or hung (or a PS ended the exchange) after the
         results before this one were applied: the loop recovers from it.
+    summary: instead of `infos` (then None), every worker's totals of the step
+        from one worker (dsgd/comm/reports.py `step_summary`: loss, samples,
+        data_s, compute_s, exchange_s, apply_s, decision, nonfinite).
+    tallies: with `summary`, on the last step of a call: {worker position:
+        its figures over the call's steps} (dsgd/comm/reports.py).
     """
 
     infos: list[dict] | None
@@ -73,6 +78,8 @@ class StepResult:
     dropped_rows: list = dataclasses.field(default_factory=list)
     halted: bool = False
     failure: BaseException | None = None
+    summary: dict | None = None
+    tallies: dict | None = None
 
 
 class ExchangeStep:

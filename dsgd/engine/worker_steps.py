@@ -53,12 +53,13 @@ class Attempts:
 
 class WorkerSteps:
     """Up to `size` steps of every worker in one `exchange_steps` call each.
-    `datas[i][k]`: worker k's data argument for step i (None: get_batch);
+    `datas[i][k]`: worker k's data argument for step i (None: get_batch; `datas`
+    None: get_batch for every step of every worker);
     `seqs[i]`: step i's exchange number (in `attempts.current`)."""
 
     exchanges = False  # nothing for the driver to do between a step's compute and apply
 
-    def __init__(self, config: Config, actors: ActorSet, datas: list[list], seqs: list[int],
+    def __init__(self, config: Config, actors: ActorSet, datas: list[list] | None, seqs: list[int],
                  attempts: Attempts, run_id: int, first_number: int):
         self.config, self.actors = config, actors
         self.datas, self.seqs, self.attempts, self.run_id = datas, seqs, attempts, run_id
@@ -74,7 +75,11 @@ class WorkerSteps:
         return len(self.seqs)
 
     def submit(self) -> WorkerSteps:
-        self._refs = [w.exchange_steps.remote([d[k] for d in self.datas], self.seqs, self.run_id)
+        # Compact answers (dsgd/comm/reports.py): worker 0 sums every worker's
+        # figures per step, each worker its own per call.
+        self._refs = [w.exchange_steps.remote(None if self.datas is None
+                                              else [d[k] for d in self.datas], self.seqs,
+                                              self.run_id, True, k == 0)
                       for k, w in enumerate(self.workers)]
         return self
 
@@ -102,13 +107,23 @@ class WorkerSteps:
         outcome, pending = self._collect()
         step_s = (time.perf_counter() - self.start) / max(1, self.size)
         failure = self._failure(outcome, pending)
+        compact = {k: out for k, out in outcome.items() if isinstance(out, dict)}
+        if failure is None and len(compact) == len(self.workers) and compact[0]["steps"]:
+            return self._summaries(compact, step_s)
         reports = {k: out for k, out in outcome.items() if isinstance(out, list)}
-        errors = [out for out in outcome.values() if not isinstance(out, list)]
+        errors = [out for out in outcome.values() if isinstance(out, BaseException)]
         # Rows of workers whose call failed (a death) for the steps they applied
-        # before it, rebuilt from the metas a survivor received with the means.
+        # before it, and of those that answered in compact form while others
+        # failed, rebuilt from the metas a survivor received with the means.
         lost = [k for k in range(len(self.workers)) if k not in reports]
-        rebuilt = self._rebuilt_rows(reports, lost) if failure is not None and lost and reports \
-            else {}
+        survivors = sorted(reports) + sorted(compact)
+        rebuilt = self._rebuilt_rows(survivors[0], lost) \
+            if (failure is not None or compact) and lost and survivors else {}
+        for k, out in compact.items():
+            reports[k] = [dict(rebuilt[(seq, k)], decision="skip" if i in out["skipped"]
+                               else "apply") if (seq, k) in rebuilt else None
+                          for i, seq in enumerate(self.seqs)]
+        reports = dict(sorted(reports.items()))
         if failure is None and errors:
             raise _first(errors)  # the first step of every worker raised: nothing applied
         results = []
@@ -141,13 +156,25 @@ class WorkerSteps:
                             "and named no failure (an exchange of a given-up attempt?)")
         return results
 
-    def _rebuilt_rows(self, reports: dict, lost: list[int]) -> dict:
+    def _summaries(self, compact: dict, step_s: float) -> list[StepResult]:
+        """Every worker ran every step (the usual case): one result per step from
+        worker 0's totals, each worker's figures on the last (O(1) per step)."""
+        rows = compact[0]["steps"]
+        tallies = {k: out["tally"] for k, out in compact.items()}
+        return [StepResult(None, [{"apply_s": row["apply_s"], "exchange_s": row["exchange_s"],
+                                   "step_s": step_s}], len(self.workers),
+                           skipped=row["decision"] != "apply", step_s=step_s, summary=row,
+                           tallies=tallies if i == len(rows) - 1 else None)
+                for i, row in enumerate(rows)]
+
+    def _rebuilt_rows(self, survivor: int, lost: list[int]) -> dict:
         """{(exchange number, worker position): report row} for the `lost` workers,
-        from a survivor's record of every worker's meta (Worker.recent_reports);
-        empty if no survivor can say (their rows are then left out)."""
+        from the record of every worker's meta of the worker at position
+        `survivor` (Worker.recent_reports); empty if it cannot say (their rows
+        are then left out)."""
         import ray
 
-        survivor = self.workers[min(reports)]
+        survivor = self.workers[survivor]
         try:
             metas = ray.get(survivor.recent_reports.remote(self.seqs),
                             timeout=self.config.step_timeout_s)
@@ -260,6 +287,8 @@ class WorkerSteps:
 def _failed(out) -> bool:
     """A worker's outcome that ends the attempt: its call raised, or it stopped at
     a failed exchange or a step that raised."""
+    if isinstance(out, dict):  # compact: every step applied or skipped
+        return False
     if not isinstance(out, list):
         return True
     return bool(out) and ("failure" in out[-1] or "error" in out[-1])

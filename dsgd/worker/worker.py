@@ -53,6 +53,7 @@ class Worker:
         self._halted_run = None  # local_steps, exchange_steps: the run that was stopped
         self._exchange = None  # (PSClient, layout, on_nonfinite) after join()
         self._recent_metas: dict = {}  # exchange number -> every worker's meta (recent steps)
+        self._metas_kept = 0  # exchange_steps: how many of them to keep at least
         self.replicas = Replicas(model_creator, worker_index, devices_per_worker, gpu,
                                  all_reduce_alg)
 
@@ -187,14 +188,16 @@ class Worker:
                                    f"worker {self.worker_index}", peers=peers),
                           layout, on_nonfinite)
 
-    def exchange_steps(self, datas: list, seqs: list[int], run: int) -> list[dict]:
+    def exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool = False,
+                       reporter: bool = False) -> list[dict] | dict:
         """Synchronous steps with every other worker, exchanged by this worker
         itself through the PS actors (`join`): for each step, the gradient,
         averaged across local replicas, goes to the PS actors group by group with
         this worker's meta (dsgd/comm/commit.py); every worker reads the same
         means and metas back, decides the step alike (apply, skip, halt, epoch
         end) and applies the means before the next step. `seqs[i]` numbers step
-        i's exchange (the same on every worker).
+        i's exchange (the same on every worker); `datas` None: every step's
+        batches from get_batch.
 
         Returns one report per step run, as `local_step`'s plus `exchange_s`,
         `apply_s`, `nonfinite` (every worker's non-finite (slot, replica)) and
@@ -204,14 +207,23 @@ class Worker:
         {"failure": e}; nothing of that step was applied here). After a halt,
         an error or a failure, later calls of the same `run` return [] at once:
         steps queued behind it must not run. Blocks; each exchange waits at
-        most the `join` timeout."""
+        most the `join` timeout.
+
+        `compact`: when every step asked was applied or skipped, return instead
+        {"compact": n steps, "tally": this worker's figures over them
+        (dsgd/comm/reports.py), "steps": one `step_summary` per step (every
+        worker's totals, from the metas) if `reporter`, else None, "skipped":
+        the positions of the skipped steps}, so that
+        what the driver reads per step does not grow with the workers; any
+        other ending returns the list above."""
         from dsgd.comm.waits import actor_died_errors
         from dsgd.errors import ExchangeAbandoned, StepTimeoutError
 
         if run == self._halted_run:
             return []
+        self._metas_kept = 2 * len(seqs)
         infos = []
-        for data, seq in zip(datas, seqs):
+        for data, seq in zip([None] * len(seqs) if datas is None else datas, seqs):
             try:
                 info = self._exchange_step(data, seq)
             except (*actor_died_errors(), StepTimeoutError, ExchangeAbandoned) as e:
@@ -232,7 +244,21 @@ class Worker:
             if info["decision"] == "halt":
                 self._halted_run = run
                 break
+        if compact and len(infos) == len(seqs) and \
+                all(i.get("decision") in ("apply", "skip") for i in infos):
+            return self._compact(infos, seqs, reporter)
         return infos
+
+    def _compact(self, infos: list[dict], seqs: list[int], reporter: bool) -> dict:
+        from dsgd.comm import reports
+
+        tally = reports.worker_tally()
+        for info in infos:
+            reports.add_step(tally, info)
+        steps = [reports.step_summary(self._recent_metas[seq], info)
+                 for seq, info in zip(seqs, infos)] if reporter else None
+        return {"compact": len(infos), "tally": tally, "steps": steps,
+                "skipped": [i for i, info in enumerate(infos) if info["decision"] == "skip"]}
 
     def _exchange_step(self, data, seq: int) -> dict:
         from dsgd.comm import commit
@@ -266,12 +292,13 @@ class Worker:
                   "samples": samples, "data_s": data_s}
         sent = time.perf_counter()
         report["compute_s"] = sent - start
-        mine = {k: report[k] for k in ("losses", "metrics", "samples")}
+        mine = {k: report[k] for k in ("losses", "metrics", "samples", "data_s", "compute_s")}
         means, metas = client.step(layout, pieces, commit.meta(self.worker_index, finite,
                                                                list(metrics), report=mine),
                                    seq, label)
         self._recent_metas[seq] = metas
-        while len(self._recent_metas) > 64:
+        # At least a whole call's: the reporter summarises its steps from them.
+        while len(self._recent_metas) > max(64, self._metas_kept):
             del self._recent_metas[next(iter(self._recent_metas))]
         decision = commit.decide(metas, on_nonfinite)
         exchanged = time.perf_counter()
