@@ -223,7 +223,9 @@ class Worker:
             return []
         self._metas_kept = 2 * len(seqs)
         infos = []
-        for data, seq in zip([None] * len(seqs) if datas is None else datas, seqs):
+        if datas is None:
+            datas = [None] * len(seqs)
+        for data, seq in zip(datas, seqs):
             try:
                 info = self._exchange_step(data, seq)
             except (*actor_died_errors(), StepTimeoutError, ExchangeAbandoned) as e:
