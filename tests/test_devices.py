@@ -63,3 +63,19 @@ def test_config_takes_none_and_refuses_other_values():
         Config(tiny.creator(2, 4), 1, 2, all_reduce_alg="nccl").with_gpu(False)
     with pytest.raises(TypeError, match="use_gpu must be True, False or None"):
         dsgd.Trainer(trainer_ops.Classifier, use_gpu="yes")
+
+
+def test_workers_are_built_with_the_decided_gpu_not_the_asked_none():
+    """gpu=None decided True (a cluster with GPUs) reserves GPUs for the workers and
+    must build their replicas on them: the worker actors' arguments come from the
+    decided config (launch.worker_args). Before the launcher they were given the
+    `gpu` argument as asked, None, and built CPU replicas on GPU reservations."""
+    from dsgd.engine import launch
+
+    asked = Config(model_creator=tiny.creator(1, 4), num_workers=2, devices_per_worker=1)
+    assert asked.gpu is None
+    for decided in (True, False):
+        args = launch.worker_args(asked.with_gpu(decided))
+        assert args[2] is decided
+        options = launch.worker_options(asked.with_gpu(decided)) if not decided else None
+        assert options is None or "num_gpus" not in options

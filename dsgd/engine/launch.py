@@ -1,7 +1,14 @@
 """Starting a DistributedSGD's actors (driver side): workers (replicas built,
 signatures compared, step compiled), the topology (shard plan, PS layout), PS
-actors beside the workers, and the start-up weight broadcast. `start` runs at
-construction; `start_workers` and `ensure_ps` also start replacements.
+actors beside the workers, and the start-up weight broadcast.
+
+`Launcher` is the one builder: it turns the Config into its ActorSet (the
+worker actors' arguments and Ray options come from the config alone) and, in
+`start`, into the started actors and the Topology; after a membership change
+(recovery, elastic growth, a background replacement) the same object starts
+the replacements (`start_workers`, `check_joiner`) and the missing PS actors
+(`ensure_ps`), so start-up and rebuild read the same way. The module
+functions below are its steps.
 
 Every function blocks until its actors have answered, each wait at most
 `start_timeout_s` (start-up) or `step_timeout_s`.
@@ -17,6 +24,52 @@ from dsgd.engine.actors import ActorSet
 from dsgd.engine.resources import check_resources, check_store
 from dsgd.engine.state import Topology
 from dsgd.errors import ModelMismatchError
+
+
+class Launcher:
+    """A Config's actors, started and restarted in one place (see the module
+    docstring). `actors`: the ActorSet (empty until `start`); `topology`: set by
+    `start`. `suffix`: the last part of every actor name (this instance's id)."""
+
+    def __init__(self, config: Config, suffix: str):
+        self.config = config
+        self.actors = ActorSet(worker_args(config),
+                               {} if config.local else worker_options(config), suffix,
+                               config.stall_report_s, local=config.local,
+                               ps_world=config.num_workers)
+        self.topology: Topology | None = None
+
+    def start(self) -> tuple[ActorSet, Topology]:
+        """Every worker, the topology, the PS actors, worker 0's state everywhere.
+        Blocks. On any error the actors started so far are shut down."""
+        try:
+            self.topology = start(self.config, self.actors)
+        except BaseException:
+            self.actors.shutdown()
+            raise
+        return self.actors, self.topology
+
+    def start_workers(self, slots: list[int]) -> None:
+        """Workers for `slots` (replacements or growth), checked against the
+        topology and compiled; their state is copied by the caller. Blocks."""
+        start_workers(self.config, self.actors, self.topology, slots)
+
+    def check_joiner(self, info: dict, slot: int) -> None:
+        """ModelMismatchError unless a worker started in the background for `slot`
+        (its setup `info`) builds the running workers' model."""
+        check_signatures([self.topology.signature, info],
+                         ["the running workers", f"replacement worker {slot}"])
+
+    def ensure_ps(self) -> None:
+        """Start the topology's missing PS actors (dead or never started). Blocks."""
+        ensure_ps(self.config, self.actors, self.topology)
+
+
+def worker_args(config: Config) -> tuple:
+    """A worker actor's constructor arguments after its slot (Worker.__init__):
+    from the config, with `gpu` as decided (`Config.with_gpu`), not as asked."""
+    return (config.model_creator, config.devices_per_worker, bool(config.gpu),
+            config.all_reduce_alg, config.worker_init)
 
 
 def worker_options(config: Config) -> dict:

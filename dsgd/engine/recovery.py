@@ -18,10 +18,9 @@ from dsgd import constants
 from dsgd.config import Config
 from dsgd.comm.waits import actor_died_errors
 from dsgd.engine import failures, launch
-from dsgd.engine.actors import ActorSet
 from dsgd.engine.backups import Stragglers
 from dsgd.engine.resources import placeable_workers
-from dsgd.engine.state import Progress, Topology
+from dsgd.engine.state import Progress
 from dsgd.errors import DsgdError, StepTimeoutError
 
 logger = logging.getLogger("dsgd")
@@ -39,11 +38,14 @@ class Recovery:
             layers above, e.g. the Trainer, give them what they need).
     """
 
-    def __init__(self, config: Config, actors: ActorSet, topology: Topology, progress: Progress,
+    def __init__(self, config: Config, launcher: launch.Launcher, progress: Progress,
                  restore_checkpoint: Callable[[str], object],
                  workers_changed: list[Callable[[], object]], stragglers: Stragglers,
                  restore_snapshot: Callable[[], object] | None = None):
-        self.config, self.actors, self.topology, self.progress = config, actors, topology, progress
+        # The launcher started the actors and starts their replacements.
+        self.launcher = launcher
+        self.config, self.actors, self.topology = config, launcher.actors, launcher.topology
+        self.progress = progress
         self.stragglers = stragglers
         self._restore_checkpoint = restore_checkpoint
         self._restore_snapshot = restore_snapshot
@@ -302,8 +304,7 @@ class Recovery:
                 self._check_start_time(slot, joiner)
                 return
             joiner["info"] = ray.get(joiner["setup"], timeout=self.config.step_timeout_s)
-            launch.check_signatures([self.topology.signature, joiner["info"]],
-                                    ["the running workers", f"replacement worker {slot}"])
+            self.launcher.check_joiner(joiner["info"], slot)
             joiner["configure"] = handle.configure.remote(
                 self.topology.plan, self.config.on_nonfinite, self.topology.warm_store_bytes)
         if not ray.wait([joiner["configure"]], timeout=0)[0]:
@@ -340,8 +341,8 @@ class Recovery:
         is copied by the caller."""
         self.actors.next_generation(workers_added=bool(slots))
         if slots:
-            launch.start_workers(self.config, self.actors, self.topology, slots)
-        launch.ensure_ps(self.config, self.actors, self.topology)
+            self.launcher.start_workers(slots)
+        self.launcher.ensure_ps()
 
     def _copy_state(self, source_slot: int, targets: list[int]) -> None:
         """Copy worker `source_slot`'s full state (weights, optimizer state, step

@@ -18,14 +18,13 @@ from dsgd import constants
 from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
 from dsgd.engine import checkpoints, feeding, launch
-from dsgd.engine.actors import ActorSet
 from dsgd.engine.backups import Stragglers
 from dsgd.engine.feeds import Feeds
 from dsgd.engine.failures import recovers_hang
 from dsgd.engine.loop import StepLoop
 from dsgd.engine.recovery import Recovery
 from dsgd.engine.resources import resolve_gpu
-from dsgd.engine.state import Progress, Topology
+from dsgd.engine.state import Progress
 from dsgd.engine.step import per_group
 from dsgd.errors import StepTimeoutError
 from dsgd.model import Model
@@ -212,18 +211,14 @@ class DistributedSGD:
         # Run after recovery or elastic growth put new workers in place (copied
         # state), e.g. so that the Trainer gives them its train() info.
         self.on_workers_changed: list[Callable[[], Any]] = []
-        self._actors = ActorSet(
-            (model_creator, devices_per_worker, gpu, all_reduce_alg, worker_init),
-            {} if config.local else launch.worker_options(config), uuid.uuid4().hex[:6],
-            config.stall_report_s, local=config.local, ps_world=config.num_workers)
+        # One builder turns the config into the started actors and topology, and
+        # starts replacements the same way (dsgd/engine/launch.py).
+        launcher = launch.Launcher(config, uuid.uuid4().hex[:6])
+        self._actors = launcher.actors
         self._progress = Progress()
         self._feeds = Feeds(constants.DATA_FEEDS_KEPT)
-        try:
-            self._topology: Topology = launch.start(config, self._actors)
-        except BaseException:
-            self._actors.shutdown()
-            raise
-        self._recovery = Recovery(config, self._actors, self._topology, self._progress,
+        self._actors, self._topology = launcher.start()
+        self._recovery = Recovery(config, launcher, self._progress,
                                   self.restore_checkpoint, self.on_workers_changed,
                                   Stragglers(config.backup_workers, config.step_timeout_s,
                                              config.replace_hung), self._restore_snapshot)
