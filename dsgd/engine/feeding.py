@@ -90,31 +90,30 @@ class Tally:
             return
         if infos is None:  # the step was applied before a failure interrupted it
             return
-        compute_s = max(info.get("compute_s", 0.0) for info in infos)
-        apply_s = max((a.get("apply_s", 0.0) for a in applied), default=0.0)
-        for key, value in (("data_s", max(info.get("data_s", 0.0) for info in infos)),
-                           ("compute_s", compute_s), ("apply_s", apply_s),
-                           ("exchange_s", max(0.0, step_s - compute_s - apply_s))):
-            self.times[key].append(value)
+        self._add_times(step_s, max(info.get("data_s", 0.0) for info in infos),
+                        max(info.get("compute_s", 0.0) for info in infos),
+                        max((a.get("apply_s", 0.0) for a in applied), default=0.0))
         self.losses.append(float(np.mean([x for info in infos for x in info["losses"]])))
         slots = result.contributors if result.contributors is not None else range(len(infos))
         while len(self.workers) <= max(slots):
-            self.workers.append(_worker_tally())
+            self.workers.append(reports.worker_tally())
         for slot, info in zip(slots, infos):
             self.samples += reports.add_step(self.workers[slot], info)
 
-    def _add_summary(self, result: StepResult, step_s: float) -> None:
-        summary = result.summary
-        compute_s, apply_s = summary["compute_s"], summary["apply_s"]
-        for key, value in (("data_s", summary["data_s"]), ("compute_s", compute_s),
-                           ("apply_s", apply_s),
+    def _add_times(self, step_s: float, data_s: float, compute_s: float, apply_s: float) -> None:
+        """A step's slowest data, compute and apply times; the rest of step_s is the exchange."""
+        for key, value in (("data_s", data_s), ("compute_s", compute_s), ("apply_s", apply_s),
                            ("exchange_s", max(0.0, step_s - compute_s - apply_s))):
             self.times[key].append(value)
+
+    def _add_summary(self, result: StepResult, step_s: float) -> None:
+        summary = result.summary
+        self._add_times(step_s, summary["data_s"], summary["compute_s"], summary["apply_s"])
         self.losses.append(summary["loss"])
         self.samples += summary["samples"]
         for slot, tally in sorted((result.tallies or {}).items()):
             while len(self.workers) <= slot:
-                self.workers.append(_worker_tally())
+                self.workers.append(reports.worker_tally())
             reports.merge(self.workers[slot], tally)
 
     def summary(self, progress: Progress, epoch_ended: bool, train_s: float,
@@ -124,7 +123,7 @@ class Tally:
         start_batches, start_samples = self._dropped_at_start
         for slot in sorted(set(batches) | set(samples)):
             while len(self.workers) <= slot:
-                self.workers.append(_worker_tally())
+                self.workers.append(reports.worker_tally())
             self.workers[slot]["dropped_batches"] = batches.get(slot, 0) - start_batches.get(slot, 0)
             self.workers[slot]["dropped_samples"] = samples.get(slot, 0) - start_samples.get(slot, 0)
         return {"loss": float(np.nanmean(self.losses)) if self.losses else float("nan"),
@@ -138,10 +137,6 @@ class Tally:
                 "dropped_batches": sum(w["dropped_batches"] for w in self.workers),
                 "dropped_samples": sum(w["dropped_samples"] for w in self.workers),
                 "mean_times": times, "workers": self.workers}
-
-
-def _worker_tally() -> dict:
-    return reports.worker_tally()
 
 
 def _dropped(stragglers) -> tuple[dict, dict]:

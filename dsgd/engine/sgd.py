@@ -214,7 +214,6 @@ class DistributedSGD:
         # One builder turns the config into the started actors and topology, and
         # starts replacements the same way (dsgd/engine/launch.py).
         launcher = launch.Launcher(config, uuid.uuid4().hex[:6])
-        self._actors = launcher.actors
         self._progress = Progress()
         self._feeds = Feeds(constants.DATA_FEEDS_KEPT)
         self._actors, self._topology = launcher.start()
