@@ -57,6 +57,7 @@ class ParameterServer:
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self._arrivals = threading.Condition()
         self._pending: dict = {}  # (kind, seq) -> _Rendezvous
+        self._gone: list = []  # (ranks, below): workers that died (backup workers, `gone`)
         self._attempt = 0  # the newest attempt seen (seq >> ATTEMPT_SHIFT)
 
     def ready(self) -> dict:
@@ -110,7 +111,7 @@ class ParameterServer:
     @ray.method(concurrency_group=RENDEZVOUS)
     def reduce(self, seq: int, rank: int, world: int, shards: tuple[Shard, ...],
                pieces: tuple[np.ndarray, ...] | None, scale: float | None = None,
-               meta: dict | None = None) -> list:
+               meta: dict | None = None, needed: tuple[int, ...] | None = None) -> list:
         """Worker `rank`'s part of exchange `seq`: its pieces of a group of shards
         (as `mean` takes one worker's group; read-only store views). Blocks
         until all `world` workers' parts arrived, at most `rendezvous_timeout_s`
@@ -127,23 +128,82 @@ class ParameterServer:
         Exchange numbers carry an attempt in their high bits (`seq >> 32`): the
         first part of a newer attempt ends every pending exchange of older ones
         (their callers get an error), so a step retried after a failure never
-        meets the parts of its failed attempt."""
+        meets the parts of its failed attempt.
+
+        `needed` (backup workers: the contributors `choose` named, sorted): the
+        result is over those ranks' parts, metas in that order; a rank not in it
+        is an *observer*: it sends nothing (`pieces` is ignored) and receives the
+        same result. Every one of the `world` ranks still calls."""
         import ray
+
+        ranks = tuple(range(world)) if needed is None else tuple(needed)
 
         def combine(parts):
             # Summed into the reused scratch buffers (fresh pages would cost a first
             # touch each time), then put once; the lock keeps two exchanges that
             # finish together on this PS from sharing the scratch.
-            values = [parts[r][0] for r in range(world)]
+            values = [parts[r][0] for r in ranks]
             with self._scratch_lock:
                 means = None if any(v is None for v in values) else \
                     self._means(shards, values, scale)
                 if meta is None:
                     return [ray.put(means)]
-                return [ray.put((means, [parts[r][1] for r in range(world)]))]
+                return [ray.put((means, [parts[r][1] for r in ranks]))]
 
-        return self._rendezvous(("reduce", seq), rank, world, (pieces, meta), range(world),
-                                combine)
+        part = (pieces, meta) if rank in ranks else _OBSERVER
+        pieces = None
+        return self._rendezvous(("reduce", seq), rank, world, part, ranks, combine)
+
+    @ray.method(concurrency_group=RENDEZVOUS)
+    def choose(self, seq: int, rank: int, world: int, need: int, meta: dict) -> tuple:
+        """Backup workers: rank `rank` has its whole gradient of step `seq` (its
+        `meta` says whether it is finite, dsgd/comm/commit.py). The first `need`
+        ranks to arrive are the step's contributors, for every group alike.
+        Blocks until `need` ranks arrived (at most `rendezvous_timeout_s`, then
+        TimeoutError naming the ranks that never came); a rank arriving after
+        that gets the same answer at once. Returns (contributors: sorted ranks,
+        their metas in that order, whether `rank` is one of them)."""
+        key = ("choose", seq)
+        with self._arrivals:
+            self._check_attempt(key)
+            self._end_older_attempts(seq >> ATTEMPT_SHIFT)
+            meeting = self._meeting(key)
+            meeting.needed = tuple(range(world))  # (any `need` of them: for missing_ranks)
+            if not meeting.done:
+                meeting.parts[rank] = meta
+                if len(meeting.parts) >= need:
+                    chosen = sorted(meeting.parts)
+                    meeting.finish((chosen, [meeting.parts[r] for r in chosen]), None)
+                    meeting.parts.clear()
+                    self._arrivals.notify_all()
+            if not self._arrivals.wait_for(lambda: meeting.done, self.rendezvous_timeout_s):
+                missing = sorted(set(range(world)) - set(meeting.parts))
+                raise TimeoutError(
+                    f"dsgd PS {self.ps_index}: choose {seq}: {len(meeting.parts)} of the {need} "
+                    f"contributors needed arrived within {self.rendezvous_timeout_s:.0f} s; "
+                    f"rank(s) {missing} of {world} did not")
+            if meeting.error is not None:
+                raise meeting.error
+            self._served(key, meeting, rank, world)
+            chosen, metas = meeting.result
+            return chosen, metas, rank in chosen
+
+    @ray.method(concurrency_group=RENDEZVOUS)
+    def decided(self, seq: int, rank: int, world: int) -> tuple | None:
+        """Backup workers: `choose`'s answer for step `seq` if its contributors are
+        chosen already (rank `rank` then sits the step out: it computes nothing
+        and takes the mean as an observer), else None. Does not block."""
+        key = ("choose", seq)
+        with self._arrivals:
+            self._check_attempt(key)
+            meeting = self._pending.get(key)
+            if meeting is None or not meeting.done:
+                return None
+            if meeting.error is not None:
+                raise meeting.error
+            self._served(key, meeting, rank, world)
+            chosen, metas = meeting.result
+            return chosen, metas, False
 
     @ray.method(concurrency_group=RENDEZVOUS)
     def broadcast(self, seq: int, rank: int, world: int, root: int, values):
@@ -184,17 +244,60 @@ class ParameterServer:
             meeting = self._pending.get((kind, seq))
             return [] if meeting is None else sorted(set(meeting.needed) - set(meeting.parts))
 
+    def _check_attempt(self, key: tuple) -> None:
+        """(holding `_arrivals`) ExchangeAbandoned for a part of a given-up attempt."""
+        attempt = key[1] >> ATTEMPT_SHIFT
+        if attempt < self._attempt:
+            raise ExchangeAbandoned(f"dsgd PS {self.ps_index}: {key[0]} {key[1]} abandoned: "
+                                    f"attempt {attempt} was given up after a failure")
+
+    def _served(self, key: tuple, meeting: _Rendezvous, rank: int, world: int) -> None:
+        """(holding `_arrivals`) `rank` has its answer; the last of `world` ends it."""
+        if meeting.serve(rank, world) and self._pending.get(key) is meeting:
+            del self._pending[key]
+
+    def _meeting(self, key: tuple) -> _Rendezvous:
+        """(holding `_arrivals`) The meeting of exchange `key`, made at its first
+        arrival (ranks that are `gone` for it count as served)."""
+        meeting = self._pending.get(key)
+        if meeting is None:
+            meeting = self._pending[key] = _Rendezvous()
+            for ranks, below in self._gone:
+                if key[1] < below:
+                    meeting.served.update(ranks)
+        return meeting
+
+    @ray.method(concurrency_group=RENDEZVOUS)
+    def gone(self, ranks: list[int], below: int) -> None:
+        """(driver, backup workers) Workers `ranks` of the membership that made the
+        exchanges numbered below `below` died: they will never take those
+        exchanges' results, so each ends once the other ranks have theirs (a
+        late worker still catching up keeps them until it has). Without it,
+        every step the others made while a dead worker was being replaced would
+        keep its means here."""
+        with self._arrivals:
+            self._gone = [(r, b) for r, b in self._gone if b >> ATTEMPT_SHIFT >= self._attempt]
+            self._gone.append((tuple(ranks), below))
+            for key, meeting in list(self._pending.items()):
+                if key[1] < below:
+                    meeting.served.update(ranks)
+                    if meeting.done and meeting.world and len(meeting.served) >= meeting.world:
+                        meeting.parts.clear()
+                        del self._pending[key]
+
     def _rendezvous(self, key: tuple, rank: int, world: int, part, needed, combine):
         with self._arrivals:
-            attempt = key[1] >> ATTEMPT_SHIFT
-            if attempt < self._attempt:
+            try:
+                self._check_attempt(key)
+            except ExchangeAbandoned:
                 part = None  # (not pinned by the error's traceback)
-                raise ExchangeAbandoned(f"dsgd PS {self.ps_index}: {key[0]} {key[1]} abandoned: "
-                                        f"attempt {attempt} was given up after a failure")
-            self._end_older_attempts(attempt)
-            meeting = self._pending.setdefault(key, _Rendezvous())
+                raise
+            self._end_older_attempts(key[1] >> ATTEMPT_SHIFT)
+            meeting = self._meeting(key)
             meeting.needed = tuple(needed)
-            meeting.parts[rank], part = part, None  # the meeting holds it (not this frame)
+            if part is not _OBSERVER:
+                meeting.parts[rank] = part
+            part = None  # the meeting holds it (not this frame)
             last = not meeting.combining and all(r in meeting.parts for r in needed)
             meeting.combining = meeting.combining or last
         if last:  # combine outside the lock: other exchanges keep arriving meanwhile
@@ -211,9 +314,7 @@ class ParameterServer:
                 raise TimeoutError(
                     f"dsgd PS {self.ps_index}: {key[0]} {key[1]}: rank(s) {missing} of {world} "
                     f"did not arrive within {self.rendezvous_timeout_s:.0f} s")
-            meeting.served += 1
-            if meeting.served == world and self._pending.get(key) is meeting:
-                del self._pending[key]
+            self._served(key, meeting, rank, world)
         if meeting.error is not None:
             raise meeting.error
         return meeting.result
@@ -240,20 +341,30 @@ class ParameterServer:
         self._arrivals.notify_all()
 
 
+_OBSERVER = object()  # the part of a rank that takes an exchange's result without sending
+
+
 class _Rendezvous:
     """One exchange's meeting on a PS: the parts that arrived, then the result."""
 
-    __slots__ = ("parts", "combining", "done", "result", "error", "served", "needed")
+    __slots__ = ("parts", "combining", "done", "result", "error", "served", "needed", "world")
 
     def __init__(self):
         self.needed: tuple = ()
         self.parts: dict = {}
         self.combining = self.done = False
         self.result = self.error = None
-        self.served = 0
+        self.served: set = set()  # the ranks that have the result (or are gone)
+        self.world = 0
 
     def finish(self, result, error) -> None:
         self.result, self.error, self.done = result, error, True
+
+    def serve(self, rank: int, world: int) -> bool:
+        """`rank` of `world` has the result; True once every rank has it (or is gone)."""
+        self.world = world
+        self.served.add(rank)
+        return len(self.served) >= world
 
 
 def ps_options(node_id: str) -> dict:

@@ -60,12 +60,17 @@ class PSClient:
             elsewhere, so that a PS never matches them with an older one's).
         peers: the other workers' actor handles by position (None: not watched;
             the PS's own rendezvous timeout then names a dead peer).
+        need: backup workers: how many of the `world` workers make a step's
+            mean (`choose`); default all of them.
     """
 
     def __init__(self, ps: Sequence, names: Sequence[str], rank: int, world: int,
-                 timeout_s: float, what: str, seq_base: int = 0, peers: Sequence | None = None):
+                 timeout_s: float, what: str, seq_base: int = 0, peers: Sequence | None = None,
+                 need: int | None = None):
         self.ps, self.names = list(ps), list(names)
         self.rank, self.world, self.timeout_s, self.what = rank, world, timeout_s, what
+        self.need = world if need is None else need
+        self.choosing = need is not None  # backup workers: PS 0 names each step's contributors
         self.peers = list(peers) if peers is not None else None
         self._sequence = itertools.count(seq_base)
         self._lock = threading.Lock()  # a Ray Train worker may call from several threads
@@ -104,7 +109,34 @@ class PSClient:
         then None. Blocks, at most `timeout_s`."""
         return self._exchange(layout, pieces, seq, None, meta, label)
 
-    def _exchange(self, layout, pieces, seq: int, scale, meta, label):
+    # -- backup workers: the first `need` of the workers make a step --------------------------
+    def choose(self, seq: int, meta: dict, label: str) -> tuple[list[int], list[dict], bool]:
+        """Step `seq`'s contributors (PS 0 `choose`: the first `need` ranks to
+        have their whole gradient): (sorted ranks, their metas in that order,
+        whether this worker is one). Blocks until they are chosen, at most
+        `timeout_s`; a worker arriving after that is answered at once (it is
+        dropped from the step)."""
+        ref = self.ps[0].choose.remote(seq, self.rank, self.world, self.need, meta)
+        return tuple(self._wait([ref], [0], seq, label, kind="choose", watch=()))[0]
+
+    def decided(self, seq: int, label: str) -> tuple[list[int], list[dict], bool] | None:
+        """`choose`'s answer if step `seq`'s contributors are chosen already (this
+        worker, late, then sits the step out), else None. One round trip to PS 0."""
+        ref = self.ps[0].decided.remote(seq, self.rank, self.world)
+        return self._wait([ref], [0], seq, label, kind="choose", watch=())[0]
+
+    def step_of(self, layout: ExchangeLayout, pieces: Sequence[Sequence[np.ndarray]] | None,
+                meta: dict, seq: int, label: str, contributors: Sequence[int]
+                ) -> tuple[list[np.ndarray] | None, list[dict]]:
+        """`step` over the `contributors` only (ranks, sorted, from `choose`): a
+        worker among them sends its `pieces`, any other only receives (its
+        `pieces` are not sent). The metas returned are the contributors'.
+        While waiting, only the contributors are watched for a death (a late
+        worker that dies is the driver's to replace, not this step's)."""
+        return self._exchange(layout, pieces if self.rank in contributors else None, seq,
+                              None, meta, label, tuple(contributors))
+
+    def _exchange(self, layout, pieces, seq: int, scale, meta, label, needed=None):
         import ray
 
         label = label or f"exchange {seq}"
@@ -116,12 +148,12 @@ class PSClient:
                 ray.put(tuple(piece for j in group for piece in pieces[j]))
             ps = layout.ps_of_group[g]
             refs.append(self.ps[ps].reduce.remote(seq, self.rank, self.world, layout.shards(g),
-                                                  part, scale, meta))
+                                                  part, scale, meta, needed))
             owners.append(ps)
         # Each PS answers with the ref of its group's result, put once for all workers;
         # reading it maps the store (no copy).
-        answers = self._wait(refs, owners, seq, label)
-        results = self._wait([a[0] for a in answers], owners, seq, label)
+        answers = self._wait(refs, owners, seq, label, watch=needed)
+        results = self._wait([a[0] for a in answers], owners, seq, label, watch=needed)
         metas = None
         if meta is not None:
             metas = results[0][1]
@@ -157,11 +189,12 @@ class PSClient:
 
     # -- waiting ---------------------------------------------------------------------------
     def _wait(self, refs: list, owners: list[int], seq: int | None, label: str,
-              kind: str = "reduce") -> list:
+              kind: str = "reduce", watch: Sequence[int] | None = None) -> list:
         """The answers of `refs` (owner PS indices `owners`): ends at once when a PS or
         (with peers) a peer worker died, after `timeout_s` naming who did not
         arrive. The PS's own rendezvous timeout is `timeout_s` too; its error
-        naming the missing ranks may come first."""
+        naming the missing ranks may come first. `watch`: the peers (ranks)
+        whose death ends the wait (None: every peer)."""
         import ray
 
         start = time.monotonic()
@@ -176,7 +209,7 @@ class PSClient:
                 break
             if self.peers is not None:
                 for r, peer in enumerate(self.peers):
-                    if r != self.rank and r not in pings:
+                    if r != self.rank and r not in pings and (watch is None or r in watch):
                         pings[r] = peer.ping.remote()
                 for r, ping in list(pings.items()):
                     ready, _ = ray.wait([ping], timeout=0)
@@ -272,6 +305,13 @@ def abandon(ps: Sequence, attempt: int) -> list:
     `attempt` and older (a failure was found): workers waiting in them return at
     once. Does not wait; returns the calls' refs."""
     return [p.abandon.remote(attempt) for p in ps if p is not None]
+
+
+def gone(ps: Sequence, ranks: list[int], below: int) -> list:
+    """(driver side, backup workers) Tell every live PS in `ps` that workers
+    `ranks` of the membership whose exchanges are numbered below `below` died
+    (`ParameterServer.gone`). Does not wait; returns the calls' refs."""
+    return [p.gone.remote(ranks, below) for p in ps if p is not None]
 
 
 def waiting(ps: Sequence, timeout_s: float) -> dict[int, set[int]]:

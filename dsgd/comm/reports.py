@@ -61,4 +61,4 @@ def step_summary(metas: list[dict], own: dict) -> dict:
             "compute_s": max(r.get("compute_s", 0.0) for r in reports),
             "exchange_s": own["exchange_s"], "apply_s": own["apply_s"],
             "decision": own["decision"], "nonfinite": own["nonfinite"],
-            "workers": len(reports)}
+            "workers": len(reports), "contributors": sorted(m["slot"] for m in metas)}

@@ -46,6 +46,9 @@ class Stragglers:
         self._dead: dict[int, tuple] = {}      # id(handle) -> (handle, slot), to replace
         self.dropped_batches: dict[int, int] = {}  # slot -> batches computed or skipped, dropped
         self.dropped_samples: dict[int, int] = {}  # slot -> their rows
+        # The workers' own exchange (dsgd/engine/worker_steps.py): reads what a late
+        # worker's call returned, (slot, value) -> whether it ran every step it was given.
+        self.on_result = None
 
     @property
     def enabled(self) -> bool:
@@ -157,7 +160,11 @@ class Stragglers:
                 if count_rows and isinstance(info, dict) and "samples" in info:
                     self.count_dropped(slot, int(info["samples"]))
             else:
-                ray.get(pending, timeout=10.0)
+                value = ray.get(pending, timeout=10.0)
+                if self.on_result is not None and not any(r is pending for r in
+                                                          self._owed.get(id(handle), [])):
+                    if not self._accepted(handle, slot, value):
+                        return
         except actor_died_errors():
             logger.warning("worker %d died while late (its gradient had been dropped); it is "
                            "replaced in the background", slot)
@@ -172,16 +179,34 @@ class Stragglers:
                 self._busy[id(handle)] = (handle, slot, owed[-1], False)
                 return
             try:
-                ray.get(owed, timeout=10.0)
+                values = ray.get(owed, timeout=10.0)
             except Exception as e:  # noqa: BLE001 - died, or an apply that failed
                 logger.warning("worker %d: an apply it owed failed (%s: %s); it is replaced in "
                                "the background", slot, type(e).__name__, str(e)[:200])
-                from dsgd.engine.actors import _kill
-
-                _kill(handle)
-                self.dead(handle, slot)
+                self._replace(handle, slot)
                 return
             self._owed.pop(id(handle), None)
+            if self.on_result is not None:
+                for value in values:
+                    if not self._accepted(handle, slot, value):
+                        return
+
+    def _accepted(self, handle, slot: int, value) -> bool:
+        """`on_result` of a late worker's call: False (it is replaced in the
+        background) when it did not run every step it was given (its weights
+        would no longer be the others')."""
+        if self.on_result(slot, value):
+            return True
+        logger.warning("worker %d: a call it ran late did not complete its steps (%s); it is "
+                       "replaced in the background", slot, str(value)[:200])
+        self._replace(handle, slot)
+        return False
+
+    def _replace(self, handle, slot: int) -> None:
+        from dsgd.engine.actors import _kill
+
+        _kill(handle)
+        self.dead(handle, slot)
 
     def wait_free(self, workers: list, timeout_s: float) -> None:
         """Block until every late worker has reported and applied what it owes (at
@@ -201,9 +226,10 @@ class Stragglers:
                                    f"Ray Data epoch together: no answer in {timeout_s:.1f} s",
                                    late)
 
-    def count_dropped(self, slot: int, samples: int | None) -> None:
-        """One batch of worker `slot` dropped from a step; its rows when known."""
-        self.dropped_batches[slot] = self.dropped_batches.get(slot, 0) + 1
+    def count_dropped(self, slot: int, samples: int | None, batches: int = 1) -> None:
+        """One batch (or `batches`) of worker `slot` dropped from a step; their rows
+        when known."""
+        self.dropped_batches[slot] = self.dropped_batches.get(slot, 0) + batches
         if samples:
             self.dropped_samples[slot] = self.dropped_samples.get(slot, 0) + int(samples)
 

@@ -39,6 +39,8 @@ class Status:
     between_steps: bool = False    # found after step `steps_done` was counted: none interrupted
     call: str | None = None        # a driver call outside steps, to be run again afterwards
     restore_from: str = "the last checkpoint"  # what has_checkpoint restores
+    late_behind: bool = False      # backup workers on the workers' own exchange: late
+                                   # survivors may be any number of steps behind (synced)
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,9 @@ def decide(status: Status) -> Action:
     source = max(survivors, key=lambda w: (w.applied_steps, -w.slot))
     target = source.applied_steps
     if target not in (status.steps_done, status.steps_done + 1) or any(
-            w.applied_steps not in (status.steps_done, status.steps_done + 1) for w in survivors):
+            w.applied_steps not in (status.steps_done, status.steps_done + 1)
+            and not (status.late_behind and w.applied_steps < status.steps_done)
+            for w in survivors):
         steps = {w.slot: w.applied_steps for w in survivors}
         return Action(False, f"{what}: surviving workers have applied {steps} steps, but the "
                              f"driver completed {status.steps_done}; cannot tell which step to retry")

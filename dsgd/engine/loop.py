@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
+from dsgd.comm import ps_client
 from dsgd.comm.ps_client import sequence_number
 from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
@@ -55,7 +56,8 @@ class StepLoop:
         self._run_ids = itertools.count(1)
         # The worker-driven exchange (WorkerSteps): exchange numbers, the attempt they
         # belong to (a new one after every failure) and the group the workers last joined.
-        self._sequence = itertools.count(1)
+        self._next_step = 1  # the next step's exchange number (below the attempt's bits)
+        self._joined_workers: list = []
         self._attempts = Attempts()
         self._joined = None
 
@@ -216,12 +218,27 @@ class StepLoop:
         """Tell the workers who takes part in their exchange (after start-up and after
         any change of workers or PS actors). Blocks, at most step_timeout_s."""
         workers, ps = self.actors.workers, self.actors.ps
-        key = (self.actors.membership, tuple(id(w) for w in workers), tuple(id(p) for p in ps))
+        # Backup workers: each step's mean is over the first `need` (replacements that
+        # are starting count: the steps do not wait for fewer workers meanwhile).
+        need = self.stragglers.need(len(workers) + self.recovery.joining) \
+            if self.stragglers.enabled else None
+        key = (self.actors.membership, tuple(id(w) for w in workers), tuple(id(p) for p in ps),
+               need)
         if key == self._joined:
             return
+        if need is not None:
+            # Workers of the last membership that died: the PS actors stop keeping the
+            # means of its steps for them (ParameterServer.gone).
+            alive = {id(w) for w in workers}
+            gone = [r for r, w in enumerate(self._joined_workers) if id(w) not in alive]
+            if gone:
+                ps_client.gone(ps, gone, sequence_number(self._attempts.current,
+                                                         self._next_step))
+        self._joined_workers = list(workers)
         names = [self.actors.name(p) if p is not None else f"PS {j}" for j, p in enumerate(ps)]
         self.actors.wait([w.join.remote(rank, workers, ps, names, self.topology.layout,
-                                        self.config.step_timeout_s, self.config.on_nonfinite)
+                                        self.config.step_timeout_s, self.config.on_nonfinite,
+                                        need)
                           for rank, w in enumerate(workers)], workers,
                          "joining the exchange", self.config.step_timeout_s)
         self._joined = key
@@ -243,10 +260,11 @@ class StepLoop:
                 min(self.config.steps_per_call(self.actors.num_workers, True), count - done)
             datas = None if entry is None else [self._step_args(entry, offset + k)
                                                 for k in range(size)]
-            seqs = [sequence_number(self._attempts.current, next(self._sequence))
-                    for _ in range(size)]
+            seqs = [sequence_number(self._attempts.current, self._next_step + k)
+                    for k in range(size)]
+            self._next_step += size
             return WorkerSteps(self.config, self.actors, datas, seqs, self._attempts, run_id,
-                               number).submit()
+                               number, self.stragglers).submit()
         if self.actors.num_workers > 1:
             need = self.stragglers.need(self.actors.num_workers + self.recovery.joining)
             return ExchangeStep(self.config, self.actors, self.topology,

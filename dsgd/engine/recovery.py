@@ -129,7 +129,8 @@ class Recovery:
             self.config.max_failures, self.config.elastic, placeable,
             self.progress.last_checkpoint is not None or use_snapshot, between_steps, call,
             f"the automatic snapshot of step {snapshot['step']}" if use_snapshot
-            else "the last checkpoint"))
+            else "the last checkpoint",
+            late_behind=self.stragglers.enabled and self.config.worker_exchange))
         step = steps_done + (0 if between_steps else 1)  # the step it is reported under
         where = call or f"step {step}"
         if not action.recover:

@@ -125,8 +125,8 @@ class DistributedSGD:
             terminal; the same driver code path otherwise (dsgd/engine/local.py).
             For debugging: slower, and a worker that raises is not replaced.
         apply_per_group: (performance switch, never changes results) on the
-            driver-relayed exchange (`worker_exchange=False`, or backup workers)
-            with several PS groups: each worker applies a group's mean as soon
+            driver-relayed exchange (`worker_exchange=False`) with several PS
+            groups: each worker applies a group's mean as soon
             as it is in the store, where the optimizers allow it
             (`per_group_blocker` says why not); False: one apply per step. (The
             workers' own exchange applies each step at once, after every
@@ -138,12 +138,12 @@ class DistributedSGD:
             that the driver makes one call per 4 steps or fewer whatever the
             number of workers (the progress bar moves in such chunks).
         worker_exchange: (performance switch, never changes results) strategy
-            "ps" with several workers and no backup workers: True (default)
-            has each worker send its groups to the PS actors and read the means
-            itself, the driver starting calls of one or more steps and reading
-            per-step reports (dsgd/engine/worker_steps.py); False has the
-            driver relay every group of every step (dsgd/engine/step.py
-            `ExchangeStep`, the path backup workers take), for comparison.
+            "ps" with several workers: True (default) has each worker send its
+            groups to the PS actors and read the means itself, the driver
+            starting calls of one or more steps and reading per-step reports
+            (dsgd/engine/worker_steps.py; with backup workers PS 0 names each
+            step's contributors); False has the driver relay every group of
+            every step (dsgd/engine/step.py `ExchangeStep`), for comparison.
         snapshot_interval_s: seconds between automatic snapshots: between
             steps, with no step in flight, the driver copies worker 0's state
             (weights, optimizer state, step count; what `save_checkpoint`

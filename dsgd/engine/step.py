@@ -460,9 +460,8 @@ class LocalSteps:
 
 def workers_exchange(config: Config, num_workers: int) -> bool:
     """Whether steps go through the workers' own exchange (WorkerSteps): strategy
-    "ps", several workers, no backup workers, and `worker_exchange`."""
-    return (config.worker_exchange and config.strategy == "ps" and num_workers > 1
-            and config.backup_workers == 0)
+    "ps", several workers, and `worker_exchange` (backup workers too)."""
+    return config.worker_exchange and config.strategy == "ps" and num_workers > 1
 
 
 def per_group(config: Config, topology: Topology, actors: ActorSet) -> bool:

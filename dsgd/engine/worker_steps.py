@@ -26,6 +26,7 @@ from dsgd.comm import ps_client
 from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
+from dsgd.engine.backups import Stragglers
 from dsgd.engine.step import StepResult
 from dsgd.errors import DsgdError, StepTimeoutError
 
@@ -60,10 +61,15 @@ class WorkerSteps:
     exchanges = False  # nothing for the driver to do between a step's compute and apply
 
     def __init__(self, config: Config, actors: ActorSet, datas: list[list] | None, seqs: list[int],
-                 attempts: Attempts, run_id: int, first_number: int):
+                 attempts: Attempts, run_id: int, first_number: int,
+                 stragglers: Stragglers | None = None):
         self.config, self.actors = config, actors
         self.datas, self.seqs, self.attempts, self.run_id = datas, seqs, attempts, run_id
         self.attempt = attempts.current
+        # Backup workers: the driver reads the calls of `reporters` (up to b + 1 workers
+        # that were not late when it began) and waits for no other (see `_finish_backups`).
+        self.stragglers = stragglers if stragglers is not None and stragglers.enabled else None
+        self._reporters = [0]
         self.label = (f"step {first_number}" if len(seqs) == 1
                       else f"steps {first_number}-{first_number + len(seqs) - 1}")
         self.workers = actors.workers
@@ -77,9 +83,14 @@ class WorkerSteps:
     def submit(self) -> WorkerSteps:
         # Compact answers (dsgd/comm/reports.py): worker 0 sums every worker's
         # figures per step, each worker its own per call.
+        if self.stragglers is not None:
+            self.stragglers.on_result = self._late_result
+            free = [k for k, w in enumerate(self.workers) if not self.stragglers.is_busy(w)]
+            self._reporters = (free or list(range(len(self.workers))))[
+                :self.stragglers.backup_workers + 1]
         self._refs = [w.exchange_steps.remote(None if self.datas is None
                                               else [d[k] for d in self.datas], self.seqs,
-                                              self.run_id, True, k == 0)
+                                              self.run_id, True, k in self._reporters)
                       for k, w in enumerate(self.workers)]
         return self
 
@@ -104,9 +115,15 @@ class WorkerSteps:
         result with `failure` when an actor died or hung, or the error of a step
         that raised after the steps before it were applied (raised here when
         none was)."""
-        outcome, pending = self._collect()
+        if self.stragglers is not None:
+            results = self._finish_backups()
+            if results is not None:
+                return results
+        outcome, pending = self._collect(*self._partial)
         step_s = (time.perf_counter() - self.start) / max(1, self.size)
         failure = self._failure(outcome, pending)
+        if self.stragglers is not None:
+            return self._backup_failure_results(outcome, failure, step_s)
         compact = {k: out for k, out in outcome.items() if isinstance(out, dict)}
         if failure is None and len(compact) == len(self.workers) and compact[0]["steps"]:
             return self._summaries(compact, step_s)
@@ -191,19 +208,176 @@ class WorkerSteps:
                                   "rebuilt": True}
         return rows
 
-    def _collect(self) -> tuple[dict, list]:
+    # -- backup workers ---------------------------------------------------------------------
+    _partial: tuple = ()  # (outcome, pending) read before a failure (`_finish_backups`)
+
+    def _finish_backups(self) -> list[StepResult] | None:
+        """Backup workers: the steps' results from the first reporter whose call
+        ends (its compact answer holds every step's contributors and totals);
+        the calls of the other workers that have not ended yet are late
+        (Stragglers: read when they end, a dead one replaced in the background,
+        a hung one past step_timeout_s named or replaced). None when a call
+        failed (an error, a failed exchange, no reporter left): the caller then
+        goes on as without backup workers, from what was read (`_partial`)."""
+        import ray
+
+        refs = self._refs
+        died = actor_died_errors()
+        index = {ref.hex(): k for k, ref in enumerate(refs)}
+        outcome: dict[int, object] = {}
+        pending = list(refs)
+        deadline = self._clock + self.config.step_timeout_s * self.size + FAILURE_GRACE_S
+        answer = None
+        while pending and answer is None:
+            now = time.perf_counter()
+            if now >= deadline:
+                break
+            ready, pending = ray.wait(pending, num_returns=1,
+                                      timeout=min(deadline - now, self.config.stall_report_s))
+            for ref in ready:
+                k = index[ref.hex()]
+                try:
+                    outcome[k] = ray.get(ref, timeout=self.config.step_timeout_s)
+                except Exception as e:  # noqa: BLE001 - a death or the worker's own error
+                    outcome[k] = e
+            if any(not isinstance(out, died) and _failed(out) for out in outcome.values()):
+                break
+            answers = [k for k in self._reporters if isinstance(outcome.get(k), dict)]
+            if answers:
+                answer = outcome[answers[0]]
+            elif all(isinstance(outcome.get(k), died) for k in self._reporters):
+                break  # no reporter left to say what the steps were
+            elif not ready:
+                self.actors.check_open(self.label)
+                self._stall_report(pending, index, time.perf_counter() - self._clock)
+        if answer is None:
+            self._partial = (outcome, pending)
+            return None
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0) if pending \
+            else ([], [])
+        for ref in ready:
+            try:
+                outcome[index[ref.hex()]] = ray.get(ref, timeout=self.config.step_timeout_s)
+            except Exception as e:  # noqa: BLE001 - as above
+                outcome[index[ref.hex()]] = e
+        self._refs = None
+        for k, out in sorted(outcome.items()):
+            handle, slot = self.workers[k], self.actors.slots[k]
+            if isinstance(out, died):
+                logger.warning("worker %d died (backup workers: the steps went on without it); "
+                               "it is replaced in the background", slot)
+                self.stragglers.dead(handle, slot)
+            elif not self.stragglers.is_busy(handle) and not self._late_result(slot, out):
+                self.stragglers._replace(handle, slot)
+            elif self.stragglers.is_busy(handle):
+                self.stragglers.owe(handle, refs[k])  # read in order behind its earlier calls
+        for ref in pending:
+            k = index[ref.hex()]
+            handle, slot = self.workers[k], self.actors.slots[k]
+            if self.stragglers.is_busy(handle):
+                self.stragglers.owe(handle, ref)
+            else:
+                self.stragglers.late(handle, slot, ref)
+        results = self._backup_results(answer, (time.perf_counter() - self.start)
+                                       / max(1, self.size))
+        if any(r.epoch_end for r in results) and self.datas is not None:
+            # The next epoch's first step starts every worker's share together.
+            self.stragglers.wait_free(self.workers, self.config.step_timeout_s)
+        return results
+
+    def _backup_failure_results(self, outcome: dict, failure: BaseException | None,
+                                step_s: float) -> list[StepResult]:
+        """Backup workers, a call that failed: the steps the survivor furthest on
+        applied or skipped (late workers are behind it: the recovery brings them
+        to its state, dsgd/engine/failures.py), then the failure or the error."""
+        died = actor_died_errors()
+        errors = [out for out in outcome.values()
+                  if isinstance(out, BaseException) and not isinstance(out, died)]
+        errors += [out[-1]["error"] for out in outcome.values()
+                   if isinstance(out, list) and out and "error" in out[-1]]
+        best: list = []
+        for out in outcome.values():
+            rows = _step_rows(out)
+            if len(rows) > len(best):
+                best = rows
+        if failure is None and errors and not best:
+            raise _first(errors)  # the first step raised everywhere it ran: nothing applied
+        results = []
+        for decision, contributors, summary in best:
+            dropped = [] if contributors is None else \
+                [s for s in range(self.config.num_workers) if s not in contributors]
+            results.append(StepResult(None, [{"apply_s": 0.0, "step_s": step_s}],
+                                      len(self.workers), skipped=decision != "apply",
+                                      step_s=step_s, summary=summary, contributors=contributors,
+                                      dropped=dropped))
+        if failure is not None:
+            results.append(StepResult(None, [], len(self.workers), failure=failure))
+        elif errors:
+            results.append(StepResult(None, [], len(self.workers), error=_first(errors)))
+        return results
+
+    def _late_result(self, slot: int, out) -> bool:
+        """Read one worker's call under backup workers: count the get_batch batches it
+        computed and saw dropped; False when it did not run every step it was
+        given (its call stopped at a failure or an error)."""
+        if isinstance(out, dict):
+            batches, rows = out.get("dropped", (0, 0))
+            if batches:
+                self.stragglers.count_dropped(slot, rows, batches)
+            return True
+        if isinstance(out, list):
+            rows = [r for r in out if r.get("dropped_rows") is not None]
+            if rows:
+                self.stragglers.count_dropped(slot, sum(r["dropped_rows"] for r in rows),
+                                              len(rows))
+            return not out or not ("failure" in out[-1] or "error" in out[-1])
+        return out is None  # (a replacement's set_full_state); an exception: it failed
+
+    def _backup_results(self, answer: dict, step_s: float) -> list[StepResult]:
+        """One result per step from a reporter's compact answer: its totals and
+        contributors; on the last applied step every contributor's figures; an
+        epoch end or a halting non-finite step last, when the call ended so."""
+        workers, rows = len(self.workers), answer["steps"]
+        results = []
+        for i, row in enumerate(rows):
+            contributors = row["contributors"]
+            dropped = [s for s in range(self.config.num_workers) if s not in contributors]
+            dropped_rows = []
+            if self.datas is not None:  # a dataset: every slot out of the step skips its share
+                share = row["samples"] // max(1, len(contributors))
+                dropped_rows = [(s, share) for s in dropped]
+            results.append(StepResult(
+                None, [{"apply_s": row["apply_s"], "exchange_s": row["exchange_s"],
+                        "step_s": step_s}], workers, skipped=row["decision"] != "apply",
+                step_s=step_s, summary=row, contributors=contributors, dropped=dropped,
+                dropped_rows=dropped_rows,
+                tallies=answer["tallies"] if i == len(rows) - 1 else None))
+        if answer.get("end") == "epoch_end":
+            results.append(StepResult([], [], workers, epoch_end=True))
+        elif answer.get("end") == "halt":
+            results.append(StepResult([{"nonfinite": answer["nonfinite"]}], [], workers,
+                                      halted=True))
+        return results
+
+    def _collect(self, outcome: dict | None = None, pending: list | None = None
+                 ) -> tuple[dict, list]:
         """Every worker's reports (or the exception its call raised), by position;
-        and the positions still pending: hung, or past the grace after a failure."""
+        and the positions still pending: hung, or past the grace after a failure.
+        (`outcome`, `pending`: what `_finish_backups` read already.)"""
         import ray
 
         refs, self._refs = self._refs, None
         died = actor_died_errors()
         index = {ref.hex(): k for k, ref in enumerate(refs)}
-        outcome: dict[int, object] = {}
-        pending = list(refs)
+        outcome = dict(outcome or {})
+        pending = list(refs) if pending is None else list(pending)
         # The workers' own waits end first (and name who did not arrive).
         deadline = self._clock + self.config.step_timeout_s * self.size + FAILURE_GRACE_S
         abandoned_at = None
+        if any(_failed(out) for out in outcome.values()):
+            if self.attempts.current == self.attempt:
+                self.attempts.give_up(self.actors.ps)
+            abandoned_at = time.perf_counter()
         while pending:
             now = time.perf_counter()
             end = deadline if abandoned_at is None else min(deadline, abandoned_at + FAILURE_GRACE_S)
@@ -282,6 +456,24 @@ class WorkerSteps:
             # Only abandoned exchanges: the failure that caused it was a worker's error.
             return None
         return None
+
+
+def _step_rows(out) -> list[tuple]:
+    """(decision, contributors or None, summary or None) of each step a worker's call
+    applied or skipped, from its answer (backup workers)."""
+    if isinstance(out, dict):
+        if out.get("steps") is not None:
+            return [(row["decision"], row["contributors"], row) for row in out["steps"]]
+        return [("skip" if i in out["skipped"] else "apply", None, None)
+                for i in range(out["compact"])]
+    if not isinstance(out, list):
+        return []
+    rows = []
+    for row in out:
+        if row.get("decision") not in ("apply", "skip"):
+            break
+        rows.append((row["decision"], row.get("contributors"), None))
+    return rows
 
 
 def _failed(out) -> bool:

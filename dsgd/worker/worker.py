@@ -52,6 +52,7 @@ class Worker:
         self._loaders: dict = {}  # data feed key -> loader (dsgd/data/feeds.py)
         self._halted_run = None  # local_steps, exchange_steps: the run that was stopped
         self._exchange = None  # (PSClient, layout, on_nonfinite) after join()
+        self._late = False  # backup workers: dropped from the last step (exchange_steps)
         self._recent_metas: dict = {}  # exchange number -> every worker's meta (recent steps)
         self._metas_kept = 0  # exchange_steps: how many of them to keep at least
         self.replicas = Replicas(model_creator, worker_index, devices_per_worker, gpu,
@@ -177,16 +178,19 @@ class Worker:
         return {"error": _picklable(e)}
 
     def join(self, rank: int, peers: list, ps: list, ps_names: list[str], layout,
-             timeout_s: float, on_nonfinite: str) -> None:
+             timeout_s: float, on_nonfinite: str, need: int | None = None) -> None:
         """Take part in the worker-driven exchange (`exchange_steps`) as worker
         `rank` of `peers` (every worker's handle, in rank order) through the PS
-        actors `ps` laid out as `layout`. The driver calls it after start-up and
-        after every change of workers or PS actors."""
+        actors `ps` laid out as `layout`. `need` (backup workers): each step's
+        mean is over the first `need` workers to have their gradient (default:
+        all). The driver calls it after start-up and after every change of
+        workers or PS actors."""
         from dsgd.comm.ps_client import PSClient
 
         self._exchange = (PSClient(ps, ps_names, rank, len(peers), timeout_s,
-                                   f"worker {self.worker_index}", peers=peers),
+                                   f"worker {self.worker_index}", peers=peers, need=need),
                           layout, on_nonfinite)
+        self._late = False
 
     def exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool = False,
                        reporter: bool = False) -> list[dict] | dict:
@@ -215,7 +219,19 @@ class Worker:
         worker's totals, from the metas) if `reporter`, else None, "skipped":
         the positions of the skipped steps}, so that
         what the driver reads per step does not grow with the workers; any
-        other ending returns the list above."""
+        other ending returns the list above.
+
+        Backup workers (`join` with a `need`): each step's contributors are
+        the first `need` workers to have their whole gradient (PS 0 chooses;
+        dsgd/comm/ps_client.py `choose`); the others receive the means without
+        sending. A worker dropped from a step is *late*: before its next step it
+        asks whether that step's contributors are chosen already, and if so it
+        sits the step out (no batch read or drawn, no gradient computed) and
+        only applies the mean, until it has caught up. Its reports say
+        `contributed` / `sat_out`; the reporter's compact answer carries every
+        contributor's tally ("tallies", by slot, from the metas), and each
+        worker's "dropped": [batches, rows] it computed from get_batch and saw
+        dropped."""
         from dsgd.comm.waits import actor_died_errors
         from dsgd.errors import ExchangeAbandoned, StepTimeoutError
 
@@ -246,26 +262,52 @@ class Worker:
             if info["decision"] == "halt":
                 self._halted_run = run
                 break
-        if compact and len(infos) == len(seqs) and \
-                all(i.get("decision") in ("apply", "skip") for i in infos):
-            return self._compact(infos, seqs, reporter)
+        backups = self._exchange[0].choosing
+        done = [i for i in infos if i.get("decision") in ("apply", "skip")]
+        end = None
+        if backups and infos and len(done) == len(infos) - 1:
+            end = "epoch_end" if infos[-1].get("epoch_end") else \
+                "halt" if infos[-1].get("decision") == "halt" else None
+        if compact and (len(done) == len(seqs) or end is not None):
+            out = self._compact(done, seqs[:len(done)], reporter, backups)
+            if end is not None:  # (backup workers: the driver reads the reporters only)
+                out["end"] = end
+                if end == "halt":
+                    out["nonfinite"] = infos[-1]["nonfinite"]
+            return out
         return infos
 
-    def _compact(self, infos: list[dict], seqs: list[int], reporter: bool) -> dict:
+    def _compact(self, infos: list[dict], seqs: list[int], reporter: bool,
+                 backups: bool = False) -> dict:
         from dsgd.comm import reports
 
         tally = reports.worker_tally()
         for info in infos:
-            reports.add_step(tally, info)
-        steps = [reports.step_summary(self._recent_metas[seq], info)
-                 for seq, info in zip(seqs, infos)] if reporter else None
-        return {"compact": len(infos), "tally": tally, "steps": steps,
-                "skipped": [i for i, info in enumerate(infos) if info["decision"] == "skip"]}
+            if not backups or info["contributed"]:
+                reports.add_step(tally, info)
+        steps = [reports.step_summary([m for m in self._recent_metas[seq] if m is not None],
+                                      info) for seq, info in zip(seqs, infos)] if reporter else None
+        out = {"compact": len(infos), "tally": tally, "steps": steps,
+               "skipped": [i for i, info in enumerate(infos) if info["decision"] == "skip"]}
+        if backups:
+            dropped = [i for i in infos if i.get("dropped_rows") is not None]
+            out["dropped"] = [len(dropped), sum(i["dropped_rows"] for i in dropped)]
+            if reporter:  # every contributor's figures, from the metas (not only this worker's)
+                tallies: dict = {}
+                for seq in seqs:
+                    for m in self._recent_metas[seq]:
+                        if m is not None:
+                            reports.add_step(tallies.setdefault(m["slot"], reports.worker_tally()),
+                                             m["report"])
+                out["tallies"] = tallies
+        return out
 
     def _exchange_step(self, data, seq: int) -> dict:
         from dsgd.comm import commit
 
         client, layout, on_nonfinite = self._exchange
+        if client.choosing:
+            return self._backup_step(data, seq)
         start = time.perf_counter()
         label = f"step {self.applied_steps + 1}"
         try:
@@ -311,6 +353,73 @@ class Worker:
         report.update(exchange_s=exchanged - sent, apply_s=time.perf_counter() - exchanged,
                       applied=decision.action == commit.APPLY, decision=decision.action,
                       nonfinite=list(decision.nonfinite))
+        return report
+
+    def _backup_step(self, data, seq: int) -> dict:
+        """`_exchange_step` under backup workers (see `exchange_steps`)."""
+        from dsgd.comm import commit
+
+        client, layout, on_nonfinite = self._exchange
+        start = time.perf_counter()
+        label = f"step {self.applied_steps + 1}"
+        report: dict = {}
+        answer = client.decided(seq, label) if self._late else None
+        pieces, mine = None, None
+        if answer is None:  # on time: compute, then arrive at the choice
+            try:
+                batches, samples = self._batches(data)
+                data_s = time.perf_counter() - start
+                computed = self.replicas.compute(batches) if batches is not None else None
+            except Exception as e:
+                try:  # (chosen, it stops the others at once: commit.decide names it)
+                    chosen, _, chosen_me = client.choose(
+                        seq, commit.meta(self.worker_index, None, None, e), label)
+                    if chosen_me:
+                        client.step_of(layout, None, {"slot": self.worker_index}, seq, label,
+                                       chosen)
+                except Exception:  # noqa: BLE001 - this worker's own error is the one to report
+                    pass
+                raise
+            if computed is None:
+                mine = commit.meta(self.worker_index, None, None)
+            else:
+                losses, finite, flat_grads, metrics = computed
+                pieces = self.replicas.shard_pieces(flat_grads)
+                finite = finite.numpy().tolist()
+                report = {"losses": losses.numpy().tolist(), "finite": finite,
+                          "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
+                          "samples": samples, "data_s": data_s,
+                          "compute_s": time.perf_counter() - start}
+                mine = commit.meta(self.worker_index, finite, list(metrics),
+                                   report={k: report[k] for k in ("losses", "metrics", "samples",
+                                                                  "data_s", "compute_s")})
+            answer = client.choose(seq, mine, label)
+        chosen, _, contributed = answer
+        sent = time.perf_counter()
+        means, metas = client.step_of(layout, pieces, mine or {"slot": self.worker_index}, seq,
+                                      label, chosen)
+        self._late = not contributed
+        full: list = [None] * client.world
+        for r, m in zip(chosen, metas):
+            full[r] = m
+        self._recent_metas[seq] = full
+        while len(self._recent_metas) > max(64, self._metas_kept):
+            del self._recent_metas[next(iter(self._recent_metas))]
+        decision = commit.decide(metas, on_nonfinite)
+        if decision.action == commit.EPOCH_END:
+            return {"epoch_end": True}
+        exchanged = time.perf_counter()
+        if decision.action == commit.APPLY:
+            self.replicas.apply(means)
+            self.applied_steps += 1
+            self._freeze_gc_once()
+        report.update(exchange_s=exchanged - sent, apply_s=time.perf_counter() - exchanged,
+                      applied=decision.action == commit.APPLY, decision=decision.action,
+                      nonfinite=list(decision.nonfinite),
+                      contributors=sorted(m["slot"] for m in metas), contributed=contributed,
+                      sat_out=mine is None)
+        if not contributed and mine is not None and data is None and "samples" in report:
+            report["dropped_rows"] = report["samples"]  # a get_batch batch computed for nothing
         return report
 
     def recent_reports(self, seqs: list[int]) -> dict:
