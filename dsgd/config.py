@@ -55,6 +55,7 @@ class Config:
     worker_exchange: bool = True
     snapshot_interval_s: float | None = constants.DEFAULT_SNAPSHOT_INTERVAL_S
     local: bool = False
+    timeline: str | None = None
 
     def __post_init__(self):
         if not callable(self.model_creator):
@@ -107,6 +108,8 @@ class Config:
             raise ValueError(f"snapshot_interval_s must be a number of seconds >= 0 or None, "
                              f"got {self.snapshot_interval_s!r}")
         _bool("local", self.local)
+        if self.timeline is not None and (not isinstance(self.timeline, str) or not self.timeline):
+            raise ValueError(f"timeline must be a file path (str) or None, got {self.timeline!r}")
         if self.local and self.num_workers != 1:
             raise ValueError(f"local=True runs one worker in this process: num_workers must be "
                              f"1, got {self.num_workers}")

@@ -25,7 +25,7 @@ import numpy as np
 import ray
 
 from dsgd import constants
-from dsgd.comm import store
+from dsgd.comm import store, timeline
 from dsgd.comm.means import mean_shard, split_group
 from dsgd.comm.sharding import Shard
 from dsgd.errors import ExchangeAbandoned
@@ -75,6 +75,16 @@ class ParameterServer:
         if max_bytes > self.warmed_store_bytes:
             self.warmed_store_bytes = max(self.warmed_store_bytes, store.warm(max_bytes))
         return self.warmed_store_bytes
+
+    @ray.method(concurrency_group=RENDEZVOUS)
+    def enable_timeline(self, on: bool) -> None:
+        """Record this PS's sums for the timeline (dsgd/comm/timeline.py), or stop."""
+        timeline.enable(f"PS {self.ps_index}", on)
+
+    @ray.method(concurrency_group=RENDEZVOUS)
+    def timeline_events(self) -> list[dict]:
+        """This PS's timeline events since the last call."""
+        return timeline.recorder().drain()
 
     def ping(self) -> dict:
         """Liveness; runs after every call queued before it."""
@@ -143,7 +153,9 @@ class ParameterServer:
             # touch each time), then put once; the lock keeps two exchanges that
             # finish together on this PS from sharing the scratch.
             values = [parts[r][0] for r in ranks]
-            with self._scratch_lock:
+            with self._scratch_lock, timeline.recorder().span(
+                    "sum group", "sum", exchange=seq & ((1 << ATTEMPT_SHIFT) - 1),
+                    workers=len(ranks)):
                 means = None if any(v is None for v in values) else \
                     self._means(shards, values, scale)
                 if meta is None:

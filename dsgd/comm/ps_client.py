@@ -29,12 +29,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dsgd.comm import timeline
 from dsgd.comm.sharding import ExchangeLayout, to_wire
 from dsgd.comm.waits import actor_died_errors
 from dsgd.errors import StepTimeoutError
 
 # While waiting, how often the client looks at its peers (seconds).
 POLL_S = 1.0
+_STEP_BITS = (1 << 32) - 1  # the step part of an exchange number (the attempt above it)
 
 
 def sequence_number(attempt: int, step: int) -> int:
@@ -141,7 +143,9 @@ class PSClient:
 
         label = label or f"exchange {seq}"
         refs, owners = [], []
+        tl = timeline.recorder()
         for g, group in enumerate(layout.groups):
+            start = time.time() if tl.on else 0.0
             # One object per group (pickle 5 copies each piece once into its place in
             # the store buffer): Ray's cost per object would dominate one per piece.
             part = None if pieces is None else \
@@ -150,6 +154,9 @@ class PSClient:
             refs.append(self.ps[ps].reduce.remote(seq, self.rank, self.world, layout.shards(g),
                                                   part, scale, meta, needed))
             owners.append(ps)
+            if tl.on:
+                tl.add(f"send group {g}" if part is not None else f"join group {g}", "send",
+                       start, time.time(), ps=ps, exchange=seq & _STEP_BITS)
         # Each PS answers with the ref of its group's result, put once for all workers;
         # reading it maps the store (no copy).
         answers = self._wait(refs, owners, seq, label, watch=needed)
@@ -312,6 +319,18 @@ def gone(ps: Sequence, ranks: list[int], below: int) -> list:
     `ranks` of the membership whose exchanges are numbered below `below` died
     (`ParameterServer.gone`). Does not wait; returns the calls' refs."""
     return [p.gone.remote(ranks, below) for p in ps if p is not None]
+
+
+def enable_timeline(ps: Sequence, on: bool) -> list:
+    """(driver side) Have every live PS in `ps` record its events (or stop:
+    dsgd/comm/timeline.py). Does not wait; returns the calls' refs."""
+    return [p.enable_timeline.remote(on) for p in ps if p is not None]
+
+
+def timeline_events(actor):
+    """(driver side) The ref of a worker's or PS actor's timeline events since the
+    last such call (`Recorder.drain`). Does not wait."""
+    return actor.timeline_events.remote()
 
 
 def waiting(ps: Sequence, timeout_s: float) -> dict[int, set[int]]:

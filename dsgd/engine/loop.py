@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
-from dsgd.comm import ps_client
+from dsgd.comm import ps_client, timeline
 from dsgd.comm.ps_client import sequence_number
 from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
@@ -57,6 +57,8 @@ class StepLoop:
         # The worker-driven exchange (WorkerSteps): exchange numbers, the attempt they
         # belong to (a new one after every failure) and the group the workers last joined.
         self._next_step = 1  # the next step's exchange number (below the attempt's bits)
+        # timeline=: the driver's recorder (DistributedSGD sets it; dsgd/comm/timeline.py)
+        self.timeline = timeline.OFF
         self._joined_workers: list = []
         self._attempts = Attempts()
         self._joined = None
@@ -236,9 +238,12 @@ class StepLoop:
                                                          self._next_step))
         self._joined_workers = list(workers)
         names = [self.actors.name(p) if p is not None else f"PS {j}" for j, p in enumerate(ps)]
+        recording = self.config.timeline is not None
+        if recording:
+            ps_client.enable_timeline(ps, True)
         self.actors.wait([w.join.remote(rank, workers, ps, names, self.topology.layout,
                                         self.config.step_timeout_s, self.config.on_nonfinite,
-                                        need)
+                                        need, recording)
                           for rank, w in enumerate(workers)], workers,
                          "joining the exchange", self.config.step_timeout_s)
         self._joined = key
@@ -264,7 +269,7 @@ class StepLoop:
                     for k in range(size)]
             self._next_step += size
             return WorkerSteps(self.config, self.actors, datas, seqs, self._attempts, run_id,
-                               number, self.stragglers).submit()
+                               number, self.stragglers, self.timeline).submit()
         if self.actors.num_workers > 1:
             need = self.stragglers.need(self.actors.num_workers + self.recovery.joining)
             return ExchangeStep(self.config, self.actors, self.topology,

@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from dsgd import constants
+from dsgd.comm import ps_client
+from dsgd.comm import timeline as timeline_file
 from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
 from dsgd.engine import checkpoints, feeding, launch
@@ -144,6 +146,15 @@ class DistributedSGD:
             (dsgd/engine/worker_steps.py; with backup workers PS 0 names each
             step's contributors); False has the driver relay every group of
             every step (dsgd/engine/step.py `ExchangeStep`), for comparison.
+        timeline: a file path: write a Chrome trace of the run there (open it in
+            https://ui.perfetto.dev or chrome://tracing): per worker each step's
+            data, compute, exchange and apply and each group's send, per PS each
+            group's sum, and the driver's calls, on the workers' own exchange
+            (strategy "ps", several workers; the other paths record nothing
+            yet). Written after each `train()` and at `shutdown()`, or
+            when `write_timeline()` is called. None (default): the
+            `DSGD_TIMELINE` environment variable if set, else no timeline (and
+            no cost). See dsgd/comm/timeline.py.
         snapshot_interval_s: seconds between automatic snapshots: between
             steps, with no step in flight, the driver copies worker 0's state
             (weights, optimizer state, step count; what `save_checkpoint`
@@ -179,7 +190,7 @@ class DistributedSGD:
     """
 
     __slots__ = ("config", "on_workers_changed", "_actors", "_topology", "_progress",
-                 "_feeds", "_recovery", "_loop")
+                 "_feeds", "_recovery", "_loop", "_timeline_events")
 
     def __init__(self, model_creator: Callable[[int, int], Model], num_workers: int,
                  devices_per_worker: int, gpu: bool | None = None, strategy: str = "ps",
@@ -195,7 +206,8 @@ class DistributedSGD:
                  local: bool = False, apply_per_group: bool = True,
                  local_steps_per_call: int | None = None,
                  worker_exchange: bool = True,
-                 snapshot_interval_s: float | None = constants.DEFAULT_SNAPSHOT_INTERVAL_S):
+                 snapshot_interval_s: float | None = constants.DEFAULT_SNAPSHOT_INTERVAL_S,
+                 timeline: str | None = None):
         self.config = Config(
             model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
             all_reduce_alg, num_ps, num_cpus_per_worker=num_cpus_per_worker,
@@ -204,7 +216,8 @@ class DistributedSGD:
             max_failures=max_failures, elastic=elastic, replace_hung=replace_hung,
             worker_init=worker_init, compression=compression, apply_per_group=apply_per_group,
             local_steps_per_call=local_steps_per_call, backup_workers=backup_workers, local=local,
-            worker_exchange=worker_exchange, snapshot_interval_s=snapshot_interval_s)
+            worker_exchange=worker_exchange, snapshot_interval_s=snapshot_interval_s,
+            timeline=timeline_file.path_from(timeline))
         # Starts Ray if it is not running; gpu=None becomes whether the cluster has GPUs.
         self.config = config = self.config.with_gpu(
             resolve_gpu(gpu, num_workers, devices_per_worker))
@@ -223,6 +236,10 @@ class DistributedSGD:
                                              config.replace_hung), self._restore_snapshot)
         self._loop = StepLoop(config, self._actors, self._topology, self._progress,
                               self._recovery, self._take_snapshot)
+        # timeline=: this driver's events and those collected from the actors so far.
+        self._timeline_events: list[dict] = []
+        if config.timeline is not None:
+            self._loop.timeline = timeline_file.Recorder("driver")
 
     # -- state, read-only --------------------------------------------------------
     @property
@@ -424,7 +441,10 @@ class DistributedSGD:
             self._feeds.used(entry)
         rows = (f"{self.num_workers} worker(s) x batch_size={dataset.batch_size}"
                 if dataset is not None else "")
-        return feeding.train(self._loop, entry, num_steps, desc, rows)
+        summary = feeding.train(self._loop, entry, num_steps, desc, rows)
+        if self.config.timeline is not None:
+            self.write_timeline()
+        return summary
 
     def _epoch_steps(self, entry) -> int | None:
         """Steps of one epoch, or None: until the data says its epoch ended."""
@@ -665,13 +685,41 @@ class DistributedSGD:
             self._feeds.seek(int(meta["data_position"]))
         return meta.get("extra")
 
+    def write_timeline(self) -> str | None:
+        """With `timeline=`: collect every worker's and PS actor's events since the
+        last call and (re)write the trace file with every event so far. Blocks,
+        at most `step_timeout_s` (actors that do not answer are left out).
+        Returns the file's path, or None without a timeline."""
+        import ray
+
+        path = self.config.timeline
+        if path is None:
+            return None
+        self._timeline_events += self._loop.timeline.drain()
+        actors = list(self._actors.workers) + self.ps_actors
+        refs = [ps_client.timeline_events(a) for a in actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.step_timeout_s)
+        for ref in ready:
+            try:
+                self._timeline_events += ray.get(ref)
+            except Exception:  # noqa: BLE001 - a dead actor's events are lost with it
+                pass
+        timeline_file.write(path, self._timeline_events)
+        return path
+
     def shutdown(self) -> None:
         """Kill every actor. Idempotent; does not wait for the processes to exit.
+        With `timeline=`, first writes the trace (`write_timeline`).
 
         Safe from another thread while a step or a recovery runs (that call
         then raises `DsgdError` and no actor is started after). Every later
         call raises `DsgdError`.
         """
+        if self.config.timeline is not None and not self._actors.closed:
+            try:
+                self.write_timeline()
+            except Exception as e:  # noqa: BLE001 - shutting down matters more
+                logger.warning("timeline not written: %s: %s", type(e).__name__, e)
         self._actors.shutdown()
 
     def __enter__(self) -> DistributedSGD:

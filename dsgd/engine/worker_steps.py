@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 
-from dsgd.comm import ps_client
+from dsgd.comm import ps_client, timeline
 from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
@@ -62,7 +62,7 @@ class WorkerSteps:
 
     def __init__(self, config: Config, actors: ActorSet, datas: list[list] | None, seqs: list[int],
                  attempts: Attempts, run_id: int, first_number: int,
-                 stragglers: Stragglers | None = None):
+                 stragglers: Stragglers | None = None, recorder=timeline.OFF):
         self.config, self.actors = config, actors
         self.datas, self.seqs, self.attempts, self.run_id = datas, seqs, attempts, run_id
         self.attempt = attempts.current
@@ -70,6 +70,7 @@ class WorkerSteps:
         # that were not late when it began) and waits for no other (see `_finish_backups`).
         self.stragglers = stragglers if stragglers is not None and stragglers.enabled else None
         self._reporters = [0]
+        self._recorder, self._submitted_at = recorder, time.time()
         self.label = (f"step {first_number}" if len(seqs) == 1
                       else f"steps {first_number}-{first_number + len(seqs) - 1}")
         self.workers = actors.workers
@@ -115,6 +116,13 @@ class WorkerSteps:
         result with `failure` when an actor died or hung, or the error of a step
         that raised after the steps before it were applied (raised here when
         none was)."""
+        try:
+            return self._finish()
+        finally:
+            self._recorder.add(self.label, "calls", self._submitted_at, time.time(),
+                               workers=len(self.workers))
+
+    def _finish(self) -> list[StepResult]:
         if self.stragglers is not None:
             results = self._finish_backups()
             if results is not None:

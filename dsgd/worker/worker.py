@@ -178,15 +178,19 @@ class Worker:
         return {"error": _picklable(e)}
 
     def join(self, rank: int, peers: list, ps: list, ps_names: list[str], layout,
-             timeout_s: float, on_nonfinite: str, need: int | None = None) -> None:
+             timeout_s: float, on_nonfinite: str, need: int | None = None,
+             timeline_on: bool = False) -> None:
         """Take part in the worker-driven exchange (`exchange_steps`) as worker
         `rank` of `peers` (every worker's handle, in rank order) through the PS
         actors `ps` laid out as `layout`. `need` (backup workers): each step's
         mean is over the first `need` workers to have their gradient (default:
-        all). The driver calls it after start-up and after every change of
-        workers or PS actors."""
+        all). `timeline_on`: record this worker's steps for the timeline
+        (dsgd/comm/timeline.py). The driver calls it after start-up and after
+        every change of workers or PS actors."""
+        from dsgd.comm import timeline
         from dsgd.comm.ps_client import PSClient
 
+        timeline.enable(f"worker {self.worker_index}", timeline_on)
         self._exchange = (PSClient(ps, ps_names, rank, len(peers), timeout_s,
                                    f"worker {self.worker_index}", peers=peers, need=need),
                           layout, on_nonfinite)
@@ -353,6 +357,7 @@ class Worker:
         report.update(exchange_s=exchanged - sent, apply_s=time.perf_counter() - exchanged,
                       applied=decision.action == commit.APPLY, decision=decision.action,
                       nonfinite=list(decision.nonfinite))
+        self._record_step(seq, start, start + data_s, sent, exchanged)
         return report
 
     def _backup_step(self, data, seq: int) -> dict:
@@ -418,9 +423,38 @@ class Worker:
                       nonfinite=list(decision.nonfinite),
                       contributors=sorted(m["slot"] for m in metas), contributed=contributed,
                       sat_out=mine is None)
+        # (the wait for PS 0's choice belongs to the exchange)
+        self._record_step(seq, start, start + report.get("data_s", 0.0),
+                          start + report["compute_s"] if "compute_s" in report else sent,
+                          exchanged, sat_out=mine is None)
         if not contributed and mine is not None and data is None and "samples" in report:
             report["dropped_rows"] = report["samples"]  # a get_batch batch computed for nothing
         return report
+
+    def timeline_events(self) -> list[dict]:
+        """This worker's timeline events since the last call (dsgd/comm/timeline.py)."""
+        from dsgd.comm import timeline
+
+        return timeline.recorder().drain()
+
+    def _record_step(self, seq: int, start: float, computed: float, sent: float,
+                     exchanged: float, sat_out: bool = False) -> None:
+        """The timeline's row of one step of the workers' exchange, from
+        `perf_counter` stamps: start, batches read, gradient computed (the first
+        group about to leave), means read; the apply ends now."""
+        from dsgd.comm import timeline
+
+        tl = timeline.recorder()
+        if not tl.on:
+            return
+        end = time.perf_counter()
+        to_wall = time.time() - end
+        step = seq & ((1 << 32) - 1)
+        spans = [("sat out", start, sent)] if sat_out else \
+            [("data", start, computed), ("compute", computed, sent)]
+        for name, a, b in spans + [("exchange", sent, exchanged), ("apply", exchanged, end)]:
+            if b > a:
+                tl.add(name, "step", a + to_wall, b + to_wall, step=step)
 
     def recent_reports(self, seqs: list[int]) -> dict:
         """{exchange number: every worker's meta (rank order)} of the recent steps

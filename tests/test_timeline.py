@@ -1,0 +1,116 @@
+"""`timeline=` (or DSGD_TIMELINE): a Chrome trace of the workers' exchange
+(dsgd/comm/timeline.py), written after train() and at shutdown."""
+
+import json
+import os
+
+import pytest
+
+import dsgd
+from dsgd.comm import timeline
+import tiny
+
+STEPS = 5
+
+
+def test_recorder_spans_drain_once_and_off_records_nothing():
+    rec = timeline.Recorder("worker 7")
+    with rec.span("compute", "step", step=3):
+        pass
+    rec.add("apply", "step", 10.0, 10.5)
+    events = rec.drain()
+    assert events[0] == {"name": "process_name", "ph": "M", "pid": os.getpid(),
+                         "args": {"name": "worker 7"}}
+    compute, apply = events[1:]
+    assert compute["name"] == "compute" and compute["args"] == {"step": 3}
+    assert compute["ph"] == "X" and compute["tid"] == "step" and compute["dur"] >= 0
+    assert apply["ts"] == 10e6 and apply["dur"] == 0.5e6
+    assert rec.drain()[1:] == []  # drained once
+    assert not timeline.OFF.on and timeline.OFF.drain() == []
+    with timeline.OFF.span("x", "y"):
+        timeline.OFF.add("x", "y", 0.0, 1.0)
+    assert timeline.OFF.drain() == []
+
+
+def test_the_path_comes_from_the_argument_else_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv(timeline.ENV, raising=False)
+    assert timeline.path_from(None) is None
+    monkeypatch.setenv(timeline.ENV, str(tmp_path / "env.json"))
+    assert timeline.path_from(None) == str(tmp_path / "env.json")
+    assert timeline.path_from("given.json") == "given.json"
+    path = str(tmp_path / "sub" / "t.json")
+    timeline.write(path, [{"name": "a", "ph": "X", "ts": 1, "dur": 2, "pid": 1, "tid": "r"}])
+    with open(path) as f:
+        assert json.load(f)["traceEvents"][0]["name"] == "a"
+
+
+@pytest.mark.parametrize("bad", ["", 3, b"t.json"])
+def test_bad_timeline_is_refused_before_any_actor(bad):
+    with pytest.raises(ValueError, match=r"timeline must be a file path \(str\) or None"):
+        dsgd.DistributedSGD(lambda w, d: None, 2, 1, gpu=False, timeline=bad)
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    """2 workers, 2 PS, timeline on: STEPS steps of train(); the trace as written."""
+    path = str(tmp_path_factory.mktemp("timeline") / "trace.json")
+    with dsgd.DistributedSGD(lambda w, d: tiny.StepKeyedModel(w, d, 1, 4), 2, 1, gpu=False,
+                             grad_shard_bytes=128, num_ps=2, timeline=path) as sgd:
+        summary = sgd.train(STEPS)
+        assert sgd.write_timeline() == path
+    with open(path) as f:
+        return summary, json.load(f)["traceEvents"]
+
+
+
+
+def _by_process(events):
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    out: dict = {}
+    for e in events:
+        if e["ph"] == "X":
+            out.setdefault(names[e["pid"]], []).append(e)
+    return out
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_every_worker_ps_and_the_driver_have_a_row(trace):
+    summary, events = trace
+    rows = _by_process(events)
+    assert {"driver", "worker 0", "worker 1", "PS 0", "PS 1"} <= set(rows)
+    for w in ("worker 0", "worker 1"):
+        steps = {}
+        for e in rows[w]:
+            if e["tid"] == "step":
+                steps.setdefault(e["args"]["step"], {})[e["name"]] = e
+        assert len(steps) == summary["steps"] == STEPS
+        for spans in steps.values():
+            compute, exchange, apply = spans["compute"], spans["exchange"], spans["apply"]
+            # In order, one after the other (microseconds, one clock per process).
+            assert compute["ts"] + compute["dur"] <= exchange["ts"] + 1
+            assert exchange["ts"] + exchange["dur"] <= apply["ts"] + 1
+        sends = [e for e in rows[w] if e["tid"] == "send"]
+        assert len(sends) == 2 * STEPS  # one per group (2 PS) per step
+    for p in ("PS 0", "PS 1"):
+        sums = [e for e in rows[p] if e["name"] == "sum group"]
+        assert len(sums) == STEPS and all(e["args"]["workers"] == 2 for e in sums)
+    calls = [e for e in rows["driver"] if e["tid"] == "calls"]
+    assert calls and calls[0]["name"].startswith("step")
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_a_group_is_summed_after_both_workers_sent_it_and_before_they_read_it(trace):
+    _, events = trace
+    rows = _by_process(events)
+    for p in ("PS 0", "PS 1"):
+        for s in (e for e in rows[p] if e["name"] == "sum group"):
+            step = s["args"]["exchange"]
+            for w in ("worker 0", "worker 1"):
+                exchange = next(e for e in rows[w] if e["name"] == "exchange"
+                                and e["args"]["step"] == step)
+                # The sum lies inside each worker's wait for the means (same machine clock;
+                # 2 ms of slack for the clock reads around the spans).
+                assert exchange["ts"] - 2000 <= s["ts"]
+                assert s["ts"] + s["dur"] <= exchange["ts"] + exchange["dur"] + 2000
