@@ -14,8 +14,8 @@ divided by the steps; wall time per step is reported beside it.
 
 Paths, measured interleaved for each N in one run (`--paths`):
 - `relayed`: the driver relays every group of every step (`worker_exchange=False`,
-  the engine's "ps" step before the workers' own exchange, and still the path of
-  backup workers): N*(P+1) streamed items, P PS calls and N applies per step;
+  the engine's "ps" step before the workers' own exchange): N*(P+1) streamed
+  items, P PS calls and N applies per step;
 - `workers`: the workers' own exchange (the default), `train()` running
   max(8, 4 x N) steps per call of each worker (`local_steps_per_call=None`),
   worker 0 reporting every worker's totals per step and each worker its own

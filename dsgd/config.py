@@ -26,9 +26,9 @@ class Config:
     (strategy "ps": apply each PS group's mean as soon as it arrives, where the
     optimizers allow it; False: one apply per step) and `local_steps_per_call`
     (`train()`: steps per actor call), and `worker_exchange` (strategy "ps",
-    several workers: False has the driver relay every group of every step, the
-    path backup workers take; True, the default, has the workers exchange by
-    themselves). All are performance switches that never change results.
+    several workers: False has the driver relay every group of every step;
+    True, the default, has the workers exchange by themselves, backup workers
+    included). All are performance switches that never change results.
     """
 
     model_creator: Callable[[int, int], Any]

@@ -299,6 +299,7 @@ def test_a_worker_killed_mid_run_costs_no_step_a_wait_for_its_replacement(tmp_pa
                 break
         weights = assert_replicas_identical(sgd)
         failure = sgd.failures[0]
+        iterations = sgd.foreach_model(lambda m: int(m.optimizer.iterations.numpy()))
         # The PS actors did not keep the means of the steps made while worker 2 was
         # being replaced for it (ParameterServer.gone): a step's few meetings at most.
         import ray
@@ -314,6 +315,8 @@ def test_a_worker_killed_mid_run_costs_no_step_a_wait_for_its_replacement(tmp_pa
     # No step waited for the replacement's start-up.
     assert max(s["step_s"] for s in during) < failure["recovery_s"] / 2, (failure, during)
     assert all(s["failures"] <= 1 for s in stats)
+    # Every replica applied exactly the steps recorded (the replay keys batches by step).
+    assert iterations == [len(stats)] * 3, (iterations, len(stats))
     for a, b in zip(weights, replay([s["contributors"] for s in stats])):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 

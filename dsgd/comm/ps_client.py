@@ -5,7 +5,8 @@ Every front-end whose workers exchange by themselves holds one `PSClient` per
 worker: the engine's workers (dsgd/worker/worker.py `exchange_steps`), the Ray
 Train backend (dsgd/train/exchange.py) and the Trainer's custom epochs
 (dsgd/trainer/custom.py). The driver's few PS calls (giving up an attempt, stall
-reports, the relayed exchange of backup workers) are the functions at the end. A client numbers its exchanges (one
+reports, the relayed exchange of `worker_exchange=False`, backup workers' `gone`,
+the timeline) are the functions at the end. A client numbers its exchanges (one
 counter from a base; every worker makes the same calls in the same order, so
 the PS matches them by number), puts each group of gradient pieces in the
 object store once, calls its PS, waits with a deadline, and reads the mean.
@@ -299,7 +300,7 @@ def _dead(refs: list, owners: list[int]) -> list[int]:
 
 
 def relayed_mean(ps, shards, refs: Sequence):
-    """(driver side, the relayed exchange of backup workers: dsgd/engine/step.py
+    """(driver side, the relayed exchange of `worker_exchange=False`: dsgd/engine/step.py
     `ExchangeStep`) PS `ps`'s mean of the shard group `shards` over the
     contributors' group objects `refs` (one ObjectRef per contributor, resolved
     by Ray into read-only store views on the PS). Does not wait; returns the

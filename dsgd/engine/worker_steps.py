@@ -86,9 +86,11 @@ class WorkerSteps:
         # figures per step, each worker its own per call.
         if self.stragglers is not None:
             self.stragglers.on_result = self._late_result
+            # b + 1 reporters, the free ones first: losing all of them means more than b
+            # workers died, when the steps cannot be made anyway.
             free = [k for k, w in enumerate(self.workers) if not self.stragglers.is_busy(w)]
-            self._reporters = (free or list(range(len(self.workers))))[
-                :self.stragglers.backup_workers + 1]
+            busy = [k for k in range(len(self.workers)) if k not in free]
+            self._reporters = (free + busy)[:self.stragglers.backup_workers + 1]
         self._refs = [w.exchange_steps.remote(None if self.datas is None
                                               else [d[k] for d in self.datas], self.seqs,
                                               self.run_id, True, k in self._reporters)
@@ -308,6 +310,8 @@ class WorkerSteps:
             rows = _step_rows(out)
             if len(rows) > len(best):
                 best = rows
+        if any(contributors is None for _, contributors, _ in best):
+            best = self._with_contributors(best, outcome)
         if failure is None and errors and not best:
             raise _first(errors)  # the first step raised everywhere it ran: nothing applied
         results = []
@@ -323,6 +327,24 @@ class WorkerSteps:
         elif errors:
             results.append(StepResult(None, [], len(self.workers), error=_first(errors)))
         return results
+
+    def _with_contributors(self, rows: list, outcome: dict) -> list:
+        """`rows` (from a worker that was no reporter) with each step's contributors,
+        read from a survivor's record of the steps' metas (Worker.recent_reports);
+        unchanged when none can say."""
+        import ray
+
+        survivors = [k for k, out in outcome.items() if isinstance(out, (dict, list))]
+        for k in survivors:
+            try:
+                metas = ray.get(self.workers[k].recent_reports.remote(self.seqs),
+                                timeout=self.config.step_timeout_s)
+            except Exception:  # noqa: BLE001 - another survivor may say
+                continue
+            return [(decision, sorted(m["slot"] for m in metas[seq] if m is not None)
+                     if contributors is None and seq in metas else contributors, summary)
+                    for (decision, contributors, summary), seq in zip(rows, self.seqs)]
+        return rows
 
     def _late_result(self, slot: int, out) -> bool:
         """Read one worker's call under backup workers: count the get_batch batches it
