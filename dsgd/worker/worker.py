@@ -344,19 +344,9 @@ class Worker:
         means, metas = client.step(layout, pieces, commit.meta(self.worker_index, finite,
                                                                list(metrics), report=mine),
                                    seq, label)
-        self._recent_metas[seq] = metas
-        # At least a whole call's: the reporter summarises its steps from them.
-        while len(self._recent_metas) > max(64, self._metas_kept):
-            del self._recent_metas[next(iter(self._recent_metas))]
+        self._keep_metas(seq, metas)
         decision = commit.decide(metas, on_nonfinite)
-        exchanged = time.perf_counter()
-        if decision.action == commit.APPLY:
-            self.replicas.apply(means)
-            self.applied_steps += 1
-            self._freeze_gc_once()
-        report.update(exchange_s=exchanged - sent, apply_s=time.perf_counter() - exchanged,
-                      applied=decision.action == commit.APPLY, decision=decision.action,
-                      nonfinite=list(decision.nonfinite))
+        exchanged = self._apply_decided(decision, means, report, sent)
         self._record_step(seq, start, start + data_s, sent, exchanged)
         return report
 
@@ -407,21 +397,12 @@ class Worker:
         full: list = [None] * client.world
         for r, m in zip(chosen, metas):
             full[r] = m
-        self._recent_metas[seq] = full
-        while len(self._recent_metas) > max(64, self._metas_kept):
-            del self._recent_metas[next(iter(self._recent_metas))]
+        self._keep_metas(seq, full)
         decision = commit.decide(metas, on_nonfinite)
         if decision.action == commit.EPOCH_END:
             return {"epoch_end": True}
-        exchanged = time.perf_counter()
-        if decision.action == commit.APPLY:
-            self.replicas.apply(means)
-            self.applied_steps += 1
-            self._freeze_gc_once()
-        report.update(exchange_s=exchanged - sent, apply_s=time.perf_counter() - exchanged,
-                      applied=decision.action == commit.APPLY, decision=decision.action,
-                      nonfinite=list(decision.nonfinite),
-                      contributors=sorted(m["slot"] for m in metas), contributed=contributed,
+        exchanged = self._apply_decided(decision, means, report, sent)
+        report.update(contributors=sorted(m["slot"] for m in metas), contributed=contributed,
                       sat_out=mine is None)
         # (the wait for PS 0's choice belongs to the exchange)
         self._record_step(seq, start, start + report.get("data_s", 0.0),
@@ -455,6 +436,29 @@ class Worker:
         for name, a, b in spans + [("exchange", sent, exchanged), ("apply", exchanged, end)]:
             if b > a:
                 tl.add(name, "step", a + to_wall, b + to_wall, step=step)
+
+    def _keep_metas(self, seq: int, metas: list) -> None:
+        """Keep step `seq`'s metas (rank order), at least a whole call's: the
+        reporter summarises its steps from them, recent_reports serves them."""
+        self._recent_metas[seq] = metas
+        while len(self._recent_metas) > max(64, self._metas_kept):
+            del self._recent_metas[next(iter(self._recent_metas))]
+
+    def _apply_decided(self, decision, means, report: dict, sent: float) -> float:
+        """Apply `means` if `decision` says so, and add the exchange and apply
+        times (from `sent`, the gradient leaving) and the decision to `report`.
+        Returns when the means were in (perf_counter)."""
+        from dsgd.comm import commit
+
+        exchanged = time.perf_counter()
+        if decision.action == commit.APPLY:
+            self.replicas.apply(means)
+            self.applied_steps += 1
+            self._freeze_gc_once()
+        report.update(exchange_s=exchanged - sent, apply_s=time.perf_counter() - exchanged,
+                      applied=decision.action == commit.APPLY, decision=decision.action,
+                      nonfinite=list(decision.nonfinite))
+        return exchanged
 
     def recent_reports(self, seqs: list[int]) -> dict:
         """{exchange number: every worker's meta (rank order)} of the recent steps
