@@ -1,0 +1,172 @@
+"""How much of the exchange hides behind the compute: an emulated accelerator.
+
+    python benchmarks/overlap.py [--layers 8] [--forward-ms 10] [--backward-ms 20]
+                                 [--steps 30] [--rounds 3] [--timeline PATH]
+                                 [--out benchmarks/results/overlap.json]
+
+This machine has no GPU; to behave like a GPU node, the model's compute is a
+sleep: `--layers` layers, each with a 1024 x 1024 float32 weight (4 MiB), whose
+forward waits `--forward-ms` and whose backward waits `--backward-ms` (inside
+`tf.numpy_function`, which releases the GIL: the CPU stays free while the
+"accelerator" computes, as it does while a GPU runs a kernel). The backward
+runs layer by layer in reverse, so layer k's gradient exists only once the
+layers above it have waited: gradients become ready during the backward pass,
+in reverse layer order, as on a GPU. Gradients are cheap constant fills of the
+weight's shape (the exchange moves real 4 MiB tensors).
+
+Four configurations, interleaved in `--rounds` rounds (medians over the rounds
+of each one's median step over `--steps` steps of `train()`):
+- `one, compute`: one worker, the sleeps (no exchange): the compute alone;
+- `two, compute`: two workers, the sleeps: compute + whatever of the exchange
+  is not hidden behind it;
+- `one, no compute` and `two, no compute`: the same with zero sleeps; their
+  difference is the exchange's own cost.
+
+`exposed = (two, compute) - (one, compute)`; `own = (two, no compute) - (one, no
+compute)`; the figure of merit is `exposed / own` (issue 35's target: <= 0.25;
+with no overlap it is ~1). Layers are one shard each (`grad_shard_bytes` = 4 MiB),
+two PS.
+
+`--timeline PATH`: also record one two-worker run with the sleeps as a Chrome
+trace (DistributedSGD(timeline=...)), for the chart of when each group left,
+was summed and applied against the backward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import dsgd  # noqa: E402
+
+MIB = 2**20
+WIDTH = 1024  # a layer's weight: WIDTH x WIDTH float32 = 4 MiB
+BATCH = 8
+
+
+class SleepyModel(dsgd.Model):
+    """`layers` 4 MiB weights; forward and backward of each is a sleep (see above)."""
+
+    def __init__(self, layers: int, forward_s: float, backward_s: float):
+        import keras
+        import numpy as np
+        import tensorflow as tf
+
+        self.weights = [tf.Variable(tf.zeros([WIDTH, WIDTH]), name=f"w{k}") for k in range(layers)]
+        self.optimizer = keras.optimizers.SGD(1e-6)
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+        def wait(seconds):
+            def run(x):
+                if seconds > 0:
+                    time.sleep(seconds)
+                return x
+            return lambda x: tf.numpy_function(run, [x], tf.float32, stateful=True)
+
+        forward_wait, backward_wait = wait(forward_s), wait(backward_s)
+
+        @tf.custom_gradient
+        def layer(x, w):
+            y = forward_wait(x) + 0.0 * w[0, 0]
+
+            def grad(dy):
+                dy = backward_wait(dy)
+                # A real 4 MiB gradient, made cheaply once dy (this layer's backward) exists.
+                return dy, tf.fill([WIDTH, WIDTH], tf.reduce_mean(dy)) * 1e-3
+            return y, grad
+
+        self._layer = layer
+        self._x = np.ones([BATCH, 4], np.float32)
+
+    def get_loss(self, batch):
+        import tensorflow as tf
+
+        x = tf.convert_to_tensor(batch)
+        for w in self.weights:
+            x = self._layer(x, w)
+        return tf.reduce_mean(x)
+
+    def get_batch(self):
+        return self._x
+
+    def get_variables(self):
+        return self.weights
+
+    def get_optimizer(self):
+        return self.optimizer
+
+
+CONFIGS = [("one", True), ("two", True), ("one", False), ("two", False)]
+
+
+def run(workers: str, compute: bool, args, timeline: str | None = None) -> dict:
+    n = 1 if workers == "one" else 2
+    forward = args.forward_ms / 1e3 if compute else 0.0
+    backward = args.backward_ms / 1e3 if compute else 0.0
+    sgd = dsgd.DistributedSGD(lambda w, d: SleepyModel(args.layers, forward, backward), n, 1,
+                              gpu=False, grad_shard_bytes=4 * MIB, num_ps=2 if n > 1 else None,
+                              step_timeout_s=300, timeline=timeline)
+    try:
+        sgd.train(args.warmup)
+        summary = sgd.train(args.steps)
+        return {"workers": n, "compute": compute, "median_step_ms": 1e3 * summary["step_s"],
+                "mean_times_ms": {k: 1e3 * v for k, v in summary["mean_times"].items()}}
+    finally:
+        sgd.shutdown()
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--forward-ms", type=float, default=10.0)
+    p.add_argument("--backward-ms", type=float, default=20.0)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--timeline", default=None, help="also record a two-worker trace here")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                 "overlap.json"))
+    args = p.parse_args(argv)
+
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    rows = []
+    for r in range(args.rounds):
+        for workers, compute in CONFIGS:
+            row = run(workers, compute, args)
+            row["round"] = r
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    median = {f"{w}, {'compute' if c else 'no compute'}": statistics.median(
+        x["median_step_ms"] for x in rows if x["workers"] == (1 if w == "one" else 2)
+        and x["compute"] == c) for w, c in CONFIGS}
+    exposed = median["two, compute"] - median["one, compute"]
+    own = median["two, no compute"] - median["one, no compute"]
+    if args.timeline:
+        run("two", True, args, timeline=args.timeline)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=os.path.dirname(__file__)).stdout.strip()
+    result = {"benchmark": "overlap", "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+              "no GPU (emulated accelerator: compute is a sleep)", "date": time.strftime("%Y-%m-%d"),
+              "commit": commit, "args": vars(args), "grad_mib": 4 * args.layers,
+              "median_step_ms": median, "exposed_ms": exposed, "exchange_own_ms": own,
+              "exposed_over_own": exposed / own if own > 0 else None, "rows": rows,
+              "target": "exposed_over_own <= 0.25 (issue 35)"}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps({k: result[k] for k in ("median_step_ms", "exposed_ms", "exchange_own_ms",
+                                             "exposed_over_own")}, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
