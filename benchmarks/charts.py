@@ -274,8 +274,38 @@ def driver_cost(result: dict, path: str) -> None:
     _save(fig, path)
 
 
+def overlap(result: dict, path: str) -> None:
+    """overlap.py: one two-worker step of the emulated accelerator, from its timeline:
+    each worker's compute, sends, receives and applies, and each PS's sums."""
+    plt = _pyplot()
+    spans = result["timeline_step"]
+    lanes = sorted({(e["process"], e["row"]) for e in spans},
+                   key=lambda k: (k[0].startswith("PS"), k[0], ["step", "send", "receive",
+                                                                "apply", "sum"].index(k[1])
+                                  if k[1] in ("step", "send", "receive", "apply", "sum") else 9))
+    colors = {"step": "#bbbbbb", "send": "#1f77b4", "sum": "#ff7f0e", "receive": "#2ca02c",
+              "apply": "#d62728"}
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(lanes) + 1.5))
+    for y, (process, row) in enumerate(lanes):
+        for e in spans:
+            if (e["process"], e["row"]) == (process, row):
+                ax.barh(y, max(e["dur_ms"], 0.3), left=e["start_ms"], height=0.6,
+                        color=colors.get(row, "#999999"), edgecolor="black", linewidth=0.3)
+                if row == "step" and e["dur_ms"] > 20:
+                    ax.text(e["start_ms"] + e["dur_ms"] / 2, y, e["name"], ha="center",
+                            va="center", fontsize=7)
+    ax.set_yticks(range(len(lanes)), [f"{p}: {r}" for p, r in lanes], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the start of worker 0's compute (forward, then backward: "
+                  "the last layers' gradient first)")
+    ax.set_title(f"One step, 2 workers, {result['args']['layers']} layers of 4 MiB, emulated "
+                 f"accelerator: exposed/own {result['exposed_over_own']:.2f}", fontsize=10)
+    _save(fig, path)
+
+
 KINDS = {"driver_cost": driver_cost, "comm": comm, "step_time": step_time, "overhead": overhead, "stragglers": stragglers,
-         "ingest": ingest, "trainer_overhead": trainer_overhead, "chaos": chaos, "peers": peers}
+         "ingest": ingest, "trainer_overhead": trainer_overhead, "chaos": chaos, "peers": peers,
+         "overlap": overlap}
 
 # The charts benchmarks/README.md shows: PNG -> (chart, the JSON files it is drawn from).
 CHARTS = {
@@ -290,6 +320,7 @@ CHARTS = {
                                                 "resnet_synthetic_resnet101_1w_cpu.json"]),
     "peers.png": (peers, ["peers.json"]),
     "driver_cost.png": (driver_cost, ["driver_cost.json"]),
+    "overlap.png": (overlap, ["overlap.json"]),
 }
 
 

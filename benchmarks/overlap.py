@@ -27,9 +27,18 @@ compute)`; the figure of merit is `exposed / own` (issue 35's target: <= 0.25;
 with no overlap it is ~1). Layers are one shard each (`grad_shard_bytes` = 4 MiB),
 two PS.
 
-`--timeline PATH`: also record one two-worker run with the sleeps as a Chrome
-trace (DistributedSGD(timeline=...)), for the chart of when each group left,
-was summed and applied against the backward pass.
+Then one more two-worker run with the sleeps records a Chrome trace
+(DistributedSGD(timeline=...); kept at `--timeline PATH` if given): its middle
+step goes into the JSON ("timeline_step") and the chart (results/overlap.png,
+benchmarks/charts.py): when each bucket left, was summed, received and applied,
+against the compute.
+
+Real models (`--real-rounds R`, 0 to skip): the MNIST CNN (dsgd/examples/mnist.py,
+batch 64 per worker) and ResNet-50 on 32x32 images (benchmarks/peers, batch 2 per
+worker), two workers each, one instance per model: R rounds of `--real-steps`
+steps of `train()` with the gradient sent during the backward pass, then the
+same with it sent after (Worker.overlap False, the step before issue 35),
+interleaved on the same workers; the median step time of each, and their ratio.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import os
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -122,6 +132,62 @@ def run(workers: str, compute: bool, args, timeline: str | None = None) -> dict:
         sgd.shutdown()
 
 
+def timeline_step(path: str) -> list[dict]:
+    """One step of a two-worker trace (the middle one), for the chart: every span of
+    each worker and PS that belongs to it, in ms from the start of worker 0's
+    compute span ({"process", "row", "name", "start_ms", "dur_ms"})."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    spans = [e for e in events if e["ph"] == "X" and names.get(e["pid"], "").startswith(
+        ("worker", "PS"))]
+    steps = sorted({e["args"]["step"] for e in spans
+                    if e["tid"] == "step" and names[e["pid"]] == "worker 0"})
+    step = steps[len(steps) // 2]
+    mine = [e for e in spans if e["args"].get("step", e["args"].get("exchange")) == step]
+    origin = min(e["ts"] for e in mine if e["name"] == "compute" and names[e["pid"]] == "worker 0")
+    return sorted(({"process": names[e["pid"]], "row": e["tid"], "name": e["name"],
+                    "start_ms": (e["ts"] - origin) / 1e3, "dur_ms": e["dur"] / 1e3}
+                   for e in mine), key=lambda e: (e["process"], e["row"], e["start_ms"]))
+
+
+def real_models(args) -> dict:
+    """Overlapped vs sent-after-the-backward-pass on real models, interleaved."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+    import ray
+
+    import common  # benchmarks/peers/common.py
+    from dsgd.examples import mnist
+    from dsgd_peer import PeerModel
+
+    ray.cloudpickle.register_pickle_by_value(common)
+    models = {"MNIST CNN, batch 64": lambda w, d: mnist.MnistModel(w, 2, 64, 1e-3),
+              "ResNet-50 32x32, batch 2": lambda w, d: PeerModel("comm", seed=w)}
+    out = {}
+    for name, creator in models.items():
+        times: dict = {True: [], False: []}
+        with dsgd.DistributedSGD(creator, 2, 1, gpu=False, step_timeout_s=600) as sgd:
+            sgd.train(args.warmup)
+            for r in range(args.real_rounds):
+                for overlap in (True, False):
+                    sgd.foreach_worker(lambda w, on=overlap: setattr(w, "overlap", on))
+                    sgd.train(2)  # (the other path's first steps: warm)
+                    summary = sgd.train(args.real_steps)
+                    times[overlap].append(1e3 * summary["step_s"])
+            grad_mib = sum(s.nbytes for s in sgd.plan.shards) / MIB
+            buckets = len(sgd.foreach_worker(lambda w: w._buckets.groups)[0])
+        row = {"gradient_mib": round(grad_mib, 2), "buckets": buckets,
+               "overlapped_ms": statistics.median(times[True]),
+               "after_backward_ms": statistics.median(times[False]),
+               "rounds_ms": {"overlapped": times[True], "after_backward": times[False]}}
+        row["overlapped_over_after"] = row["overlapped_ms"] / row["after_backward_ms"]
+        print(json.dumps({name: row}), flush=True)
+        out[name] = row
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=8)
@@ -130,7 +196,10 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--timeline", default=None, help="also record a two-worker trace here")
+    p.add_argument("--timeline", default=None,
+                   help="keep the two-worker trace (the chart's step comes from it) here")
+    p.add_argument("--real-rounds", type=int, default=5)
+    p.add_argument("--real-steps", type=int, default=8)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                  "overlap.json"))
     args = p.parse_args(argv)
@@ -150,8 +219,10 @@ def main(argv=None) -> dict:
         and x["compute"] == c) for w, c in CONFIGS}
     exposed = median["two, compute"] - median["one, compute"]
     own = median["two, no compute"] - median["one, no compute"]
-    if args.timeline:
-        run("two", True, args, timeline=args.timeline)
+    trace = args.timeline or os.path.join(tempfile.mkdtemp(), "overlap_trace.json")
+    run("two", True, args, timeline=trace)
+    one_step = timeline_step(trace)
+    real = real_models(args) if args.real_rounds else {}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=os.path.dirname(__file__)).stdout.strip()
     result = {"benchmark": "overlap", "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
@@ -159,10 +230,14 @@ def main(argv=None) -> dict:
               "commit": commit, "args": vars(args), "grad_mib": 4 * args.layers,
               "median_step_ms": median, "exposed_ms": exposed, "exchange_own_ms": own,
               "exposed_over_own": exposed / own if own > 0 else None, "rows": rows,
+              "real_models": real, "timeline_step": one_step,
               "target": "exposed_over_own <= 0.25 (issue 35)"}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
+    from charts import draw_after_run
+
+    draw_after_run(args.out)
     print(json.dumps({k: result[k] for k in ("median_step_ms", "exposed_ms", "exchange_own_ms",
                                              "exposed_over_own")}, indent=1))
     return result

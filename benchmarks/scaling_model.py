@@ -28,6 +28,18 @@ What the model follows (read from the code, not assumed):
   its place each PS handles one call per worker per step (N·driver_call_s,
   the cost of one actor call, an estimate) plus one round trip (step_s).
 
+- The overlapped exchange ("overlapped", the default since issue 35): each
+  bucket (consecutive shards, `comm/ps_client.py` `bucket_layout`) leaves from
+  inside the compiled step as soon as the backward pass has made it, so its
+  copy to host, write, upload, sum and download run during the rest of the
+  backward pass. The model credits it as: the exchange phases take
+  max(E · last / G, E − backward) where E is their sequential sum, `last` the
+  bytes of the last bucket the backward pass makes (the first layers': it
+  leaves when the backward pass ends) and `backward` = BACKWARD_FRACTION of the
+  compute (backward ≈ 2× forward). The decision (one gather of every worker's
+  meta on PS 0: one more round trip) and the apply stay after the backward
+  pass (no replica applies before every worker knows the step is finite).
+
 Inputs and their sources are in `PARAMS` / `calibration()`; docs/scaling.md
 lists them. Everything is an estimate: see the doc for what it leaves out.
 """
@@ -129,8 +141,14 @@ class Config:
     devices: int = 1             # D per worker
     gpu: bool = True
     widen: bool = False          # 16-bit wire: the read op widens while copying
-    exchange: str = "relayed"    # "relayed" (the driver relays every group) or "workers"
+    exchange: str = "relayed"    # "relayed" (the driver relays every group), "workers"
+                                 # (sent after the backward pass) or "overlapped"
+    last_bucket_bytes: float = 0.0  # "overlapped": wire bytes of the last bucket made
     driver_fit: tuple = (0.0, 0.0)  # "workers": the driver's CPU per step = a + b * N (s)
+
+
+# The share of a step's compute that is the backward pass (backward ≈ 2× forward).
+BACKWARD_FRACTION = 2 / 3
 
 
 def ps_nodes(num_groups: int, workers: int) -> list[int]:
@@ -175,7 +193,16 @@ def step_time(c: Config, k: Inputs) -> dict:
                   + (remote_means / k.fresh_read_bw if k.fresh_read_bw and n > 1 else 0.0)
                   + (c.grad_bytes / k.pcie_bw if c.gpu else 0.0)
                   + (5 * c.grad_bytes / k.hbm_bw if c.gpu else 0.0))
-    if c.exchange == "workers":
+    if c.exchange == "overlapped" and n > 1:
+        # Everything of the exchange but the last bucket's share runs during the
+        # backward pass (see the module docstring); one more round trip decides.
+        phases = ("to_host", "write", "upload", "ps_sum", "download")
+        exchange = sum(t[k] for k in phases)
+        exposed = max(exchange * c.last_bucket_bytes / wire,
+                      exchange - BACKWARD_FRACTION * c.compute_s)
+        t["hidden_behind_backward"] = exposed - exchange
+        t["decide"] = k.step_s
+    if c.exchange in ("workers", "overlapped"):
         # Each PS takes one call per worker per step (its rendezvous), and the step
         # one round trip; the driver submits calls of several steps ahead: its CPU
         # counts only beyond the step it overlaps.
@@ -231,10 +258,15 @@ def groups_for(shapes, shard_bytes: int, num_ps: int | None, workers: int,
 
     plan = plan_shards(shapes, ["float32"] * len(shapes), shard_bytes, compression=compression)
     asked = num_ps or min(plan.num_shards, workers)  # dsgd's default (engine/launch.py)
-    groups = exchange_layout(plan, asked).groups
-    sizes = [sum(plan.shards[j].nbytes for j in g) for g in groups]
-    return {"shards": plan.num_shards, "num_ps": asked, "busy_ps": len(groups),
-            "group_bytes": tuple(sizes)}
+    layout = exchange_layout(plan, asked)
+    sizes = [sum(plan.shards[j].nbytes for j in g) for g in layout.groups]
+    from dsgd import constants
+    from dsgd.comm.ps_client import bucket_layout
+
+    buckets = bucket_layout(layout, constants.BUCKET_MIN_BYTES).groups
+    return {"shards": plan.num_shards, "num_ps": asked, "busy_ps": len(layout.groups),
+            "group_bytes": tuple(sizes), "buckets": len(buckets),
+            "last_bucket_bytes": sum(plan.shards[j].nbytes for j in buckets[-1])}
 
 
 def predictions(shapes, inputs: Inputs, fit: tuple = (0.0, 0.0)) -> list[dict]:
@@ -262,6 +294,9 @@ def predictions(shapes, inputs: Inputs, fit: tuple = (0.0, 0.0)) -> list[dict]:
                     t = step_time(c, inputs)
                     tw = step_time(dataclasses.replace(c, exchange="workers", driver_fit=fit),
                                    inputs)
+                    to = step_time(dataclasses.replace(
+                        c, exchange="overlapped", driver_fit=fit,
+                        last_bucket_bytes=g["last_bucket_bytes"]), inputs)
                     rows.append({
                         "workers": workers, "link_gbps": gbits, "gpu": gpu_name,
                         "shard_bytes": int(shard_bytes), "compression": compression,
@@ -276,6 +311,10 @@ def predictions(shapes, inputs: Inputs, fit: tuple = (0.0, 0.0)) -> list[dict]:
                         # driver-relayed step).
                         "phases_workers_s": tw, "step_workers_s": tw["total"],
                         "efficiency_workers": compute / tw["total"],
+                        # The overlapped exchange (the default since issue 35).
+                        "buckets": g["buckets"], "phases_overlapped_s": to,
+                        "step_overlapped_s": to["total"],
+                        "efficiency_overlapped": compute / to["total"],
                     })
     return rows
 
@@ -283,8 +322,9 @@ def predictions(shapes, inputs: Inputs, fit: tuple = (0.0, 0.0)) -> list[dict]:
 def markdown(rows) -> str:
     head = ("| workers | link | shard MB | PS (busy) | wire | step V100 (ms) | eff. V100 "
             "| eff. V100, no driver | eff. A100 | eff. A100, no driver | network (ms) "
-            "| driver (ms) | eff. V100, workers' exchange | eff. A100, workers' exchange |\n"
-            "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "| driver (ms) | eff. V100, workers' exchange | eff. A100, workers' exchange "
+            "| eff. V100, overlapped | eff. A100, overlapped |\n"
+            "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     out = []
     pairs = {}
     for r in rows:
@@ -299,7 +339,9 @@ def markdown(rows) -> str:
             f"| {100 * v['efficiency_without_driver']:.0f} % | {100 * a['efficiency']:.0f} % "
             f"| {100 * a['efficiency_without_driver']:.0f} % "
             f"| {1e3 * (ph['upload'] + ph['download']):.0f} | {1e3 * ph['driver']:.0f} "
-            f"| {100 * v['efficiency_workers']:.0f} % | {100 * a['efficiency_workers']:.0f} % |")
+            f"| {100 * v['efficiency_workers']:.0f} % | {100 * a['efficiency_workers']:.0f} % "
+            f"| {100 * v['efficiency_overlapped']:.0f} % "
+            f"| {100 * a['efficiency_overlapped']:.0f} % |")
     return head + "\n".join(out)
 
 

@@ -13,6 +13,12 @@ devices (see dsgd/comm/device_mean.py); "nccl" needs `gpu=True`."""
 
 DEFAULT_GRAD_SHARD_BYTES = 10_000_000
 """Default `grad_shard_bytes`: the largest gradient shard, in bytes."""
+BUCKET_MIN_BYTES = 4 * 2**20
+"""The workers' exchange sends the gradient during the backward pass in buckets
+of consecutive shards of at least this many bytes (dsgd/comm/ps_client.py
+`bucket_layout`): one object and one PS call per bucket per worker, so smaller
+shards are merged where Ray's cost per call (about 1 ms on 2 cores) would
+exceed copying them."""
 # Seconds a worker waits for a PS mean beyond the driver's own deadline, so that a
 # late PS surfaces as the driver's StepTimeoutError.
 WORKER_WAIT_MARGIN_S = 5.0

@@ -86,12 +86,20 @@ def test_every_worker_ps_and_the_driver_have_a_row(trace):
                 steps.setdefault(e["args"]["step"], {})[e["name"]] = e
         assert len(steps) == summary["steps"] == STEPS
         for spans in steps.values():
-            compute, exchange, apply = spans["compute"], spans["exchange"], spans["apply"]
+            compute, rest = spans["compute"], spans["decide, receive and apply"]
             # In order, one after the other (microseconds, one clock per process).
-            assert compute["ts"] + compute["dur"] <= exchange["ts"] + 1
-            assert exchange["ts"] + exchange["dur"] <= apply["ts"] + 1
-        sends = [e for e in rows[w] if e["tid"] == "send"]
-        assert len(sends) == 2 * STEPS  # one per group (2 PS) per step
+            assert compute["ts"] + compute["dur"] <= rest["ts"] + 1
+        # One send and one receive per bucket (one per PS here) per step, and every
+        # bucket in one of the step's one or two applies.
+        for row in ("send", "receive"):
+            assert len([e for e in rows[w] if e["tid"] == row]) == 2 * STEPS, row
+        applied: dict = {}
+        for e in rows[w]:
+            if e["tid"] == "apply":
+                buckets = e["name"].removeprefix("apply group ").split(", ")
+                applied.setdefault(e["args"]["step"], []).extend(int(b) for b in buckets)
+        assert sorted(applied) == sorted(steps) and all(
+            sorted(b) == [0, 1] for b in applied.values()), applied
     for p in ("PS 0", "PS 1"):
         sums = [e for e in rows[p] if e["name"] == "sum group"]
         assert len(sums) == STEPS and all(e["args"]["workers"] == 2 for e in sums)
@@ -101,16 +109,27 @@ def test_every_worker_ps_and_the_driver_have_a_row(trace):
 
 @pytest.mark.cluster
 @pytest.mark.usefixtures("ray_local")
-def test_a_group_is_summed_after_both_workers_sent_it_and_before_they_read_it(trace):
+def test_a_group_leaves_from_inside_the_step_and_is_summed_before_it_is_received(trace):
     _, events = trace
     rows = _by_process(events)
+    for w in ("worker 0", "worker 1"):
+        for send in (e for e in rows[w] if e["tid"] == "send"):
+            step = send["args"]["exchange"]
+            compute = next(e for e in rows[w] if e["name"] == "compute"
+                           and e["args"]["step"] == step)
+            # Sent from inside the compiled step (2 ms of slack for the clock reads).
+            assert compute["ts"] - 2000 <= send["ts"]
+            assert send["ts"] + send["dur"] <= compute["ts"] + compute["dur"] + 2000
     for p in ("PS 0", "PS 1"):
         for s in (e for e in rows[p] if e["name"] == "sum group"):
             step = s["args"]["exchange"]
             for w in ("worker 0", "worker 1"):
-                exchange = next(e for e in rows[w] if e["name"] == "exchange"
+                sent = [e for e in rows[w] if e["tid"] == "send"
+                        and e["args"]["ps"] == int(p[3:]) and e["args"]["exchange"] == step]
+                assert len(sent) == 1
+                g = sent[0]["name"].split()[-1]
+                received = next(e for e in rows[w] if e["name"] == f"receive group {g}"
                                 and e["args"]["step"] == step)
-                # The sum lies inside each worker's wait for the means (same machine clock;
-                # 2 ms of slack for the clock reads around the spans).
-                assert exchange["ts"] - 2000 <= s["ts"]
-                assert s["ts"] + s["dur"] <= exchange["ts"] + exchange["dur"] + 2000
+                # Same machine clock; 2 ms of slack for the clock reads around the spans.
+                assert sent[0]["ts"] + sent[0]["dur"] - 2000 <= s["ts"] + s["dur"]
+                assert s["ts"] + s["dur"] <= received["ts"] + received["dur"] + 2000

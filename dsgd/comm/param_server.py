@@ -121,7 +121,8 @@ class ParameterServer:
     @ray.method(concurrency_group=RENDEZVOUS)
     def reduce(self, seq: int, rank: int, world: int, shards: tuple[Shard, ...],
                pieces: tuple[np.ndarray, ...] | None, scale: float | None = None,
-               meta: dict | None = None, needed: tuple[int, ...] | None = None) -> list:
+               meta: dict | None = None, needed: tuple[int, ...] | None = None,
+               bucket: int | None = None) -> list:
         """Worker `rank`'s part of exchange `seq`: its pieces of a group of shards
         (as `mean` takes one worker's group; read-only store views). Blocks
         until all `world` workers' parts arrived, at most `rendezvous_timeout_s`
@@ -143,7 +144,11 @@ class ParameterServer:
         `needed` (backup workers: the contributors `choose` named, sorted): the
         result is over those ranks' parts, metas in that order; a rank not in it
         is an *observer*: it sends nothing (`pieces` is ignored) and receives the
-        same result. Every one of the `world` ranks still calls."""
+        same result. Every one of the `world` ranks still calls.
+
+        `bucket`: which of the step's groups this is, where one PS serves several
+        groups of one exchange (the overlapped exchange's buckets: each is its own
+        meeting); None: this PS's one group of it."""
         import ray
 
         ranks = tuple(range(world)) if needed is None else tuple(needed)
@@ -164,7 +169,8 @@ class ParameterServer:
 
         part = (pieces, meta) if rank in ranks else _OBSERVER
         pieces = None
-        return self._rendezvous(("reduce", seq), rank, world, part, ranks, combine)
+        key = ("reduce", seq) if bucket is None else ("reduce", seq, bucket)
+        return self._rendezvous(key, rank, world, part, ranks, combine)
 
     @ray.method(concurrency_group=RENDEZVOUS)
     def choose(self, seq: int, rank: int, world: int, need: int, meta: dict) -> tuple:
@@ -250,11 +256,14 @@ class ParameterServer:
 
     @ray.method(concurrency_group=RENDEZVOUS)
     def missing_ranks(self, kind: str, seq: int) -> list[int]:
-        """The ranks whose part of exchange (`kind`, `seq`) has not arrived here
-        ([] if no part of it has)."""
+        """The ranks whose part of exchange (`kind`, `seq`) has not arrived here, in
+        any of its meetings ([] if no part of it has)."""
         with self._arrivals:
-            meeting = self._pending.get((kind, seq))
-            return [] if meeting is None else sorted(set(meeting.needed) - set(meeting.parts))
+            missing: set = set()
+            for key, meeting in self._pending.items():
+                if key[0] == kind and key[1] == seq and meeting.parts:
+                    missing.update(set(meeting.needed) - set(meeting.parts))
+            return sorted(missing)
 
     def _check_attempt(self, key: tuple) -> None:
         """(holding `_arrivals`) ExchangeAbandoned for a part of a given-up attempt."""
@@ -324,7 +333,9 @@ class ParameterServer:
             if not self._arrivals.wait_for(lambda: meeting.done, self.rendezvous_timeout_s):
                 missing = sorted(set(needed) - set(meeting.parts))
                 raise TimeoutError(
-                    f"dsgd PS {self.ps_index}: {key[0]} {key[1]}: rank(s) {missing} of {world} "
+                    f"dsgd PS {self.ps_index}: {key[0]} {key[1]}"
+                    + (f" (bucket {key[2]})" if len(key) > 2 else "")
+                    + f": rank(s) {missing} of {world} "
                     f"did not arrive within {self.rendezvous_timeout_s:.0f} s")
             self._served(key, meeting, rank, world)
         if meeting.error is not None:

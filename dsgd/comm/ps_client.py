@@ -112,6 +112,13 @@ class PSClient:
         then None. Blocks, at most `timeout_s`."""
         return self._exchange(layout, pieces, seq, None, meta, label)
 
+    def sending(self, layout: ExchangeLayout, seq: int, label: str) -> Sending:
+        """One engine step's exchange, numbered `seq`, sent group by group while the
+        step is computed (`Sending`: send each group as soon as it exists, then
+        the metas, then read the means as they arrive). `layout`'s groups are
+        the buckets of `bucket_layout`."""
+        return Sending(self, layout, seq, label)
+
     # -- backup workers: the first `need` of the workers make a step --------------------------
     def choose(self, seq: int, meta: dict, label: str) -> tuple[list[int], list[dict], bool]:
         """Step `seq`'s contributors (PS 0 `choose`: the first `need` ranks to
@@ -269,6 +276,158 @@ class PSClient:
         return StepTimeoutError(
             f"{self.what} {label}: no answer after {self.timeout_s:.1f} s; not arrived: "
             f"{', '.join(who) or 'unknown'}", late_workers=sorted(missing), late_ps=late_ps)
+
+
+class Sending:
+    """One step of the overlapped exchange (`PSClient.sending`), in three parts:
+
+    1. `send(g, part)` for each group, from any thread (the worker's compiled
+       step calls it from TensorFlow's threads during the backward pass): puts
+       the group's pieces in the object store (the one copy: the fusion) and
+       calls the group's PS; returns at once. The PS sums once every worker's
+       part is in.
+    2. `metas(meta)` once the step is computed: every worker's meta (rank order)
+       through PS 0, so that every worker decides the step alike (commit.py)
+       before any replica applies anything. Blocks.
+    3. `mean(g)`: group g's mean, waiting for it if needed. A group whose PS died
+       is averaged here from every worker's part (their writers keep them:
+       `parts`, asked of the peers through `Worker.parts_of`), with the PS's own
+       kernel and order, so a step begun to be applied is finished exactly.
+
+    Buffer ownership: the arrays `mean` returns are read-only views of the
+    store object the PS put (kept alive by them); this worker's own part
+    objects stay alive while the `Sending` is kept (the worker keeps its last
+    two steps')."""
+
+    def __init__(self, client: PSClient, layout: ExchangeLayout, seq: int, label: str):
+        self.client, self.layout, self.seq, self.label = client, layout, seq, label
+        self.answers: list = [None] * len(layout.groups)  # each group's reduce call
+        self.parts: list = [None] * len(layout.groups)    # this worker's part of each group
+        self.fell_back: list[int] = []  # the groups whose mean `fallback` made (their PS died)
+        self._lock = threading.Lock()
+
+    def send(self, g: int, part: tuple | None) -> None:
+        """Send group `g`'s pieces `part` (a tuple of 1-D arrays, as `reduce_pieces`
+        sends a group; None: no gradient, e.g. at an epoch's end). The arrays
+        are copied before this returns. Does not wait for the PS."""
+        import ray
+
+        tl = timeline.recorder()
+        start = time.time() if tl.on else 0.0
+        ref = None if part is None else ray.put(part)
+        client, ps = self.client, self.layout.ps_of_group[g]
+        answer = client.ps[ps].reduce.remote(self.seq, client.rank, client.world,
+                                             self.layout.shards(g), ref, bucket=g)
+        with self._lock:
+            if self.answers[g] is not None:
+                raise RuntimeError(f"{client.what} {self.label}: group {g} sent twice")
+            self.answers[g], self.parts[g] = answer, ref
+        if tl.on:
+            tl.add(f"send group {g}" if part is not None else f"join group {g}", "send",
+                   start, time.time(), ps=ps, exchange=self.seq & _STEP_BITS)
+
+    def send_rest(self) -> None:
+        """Send every group not sent yet with no gradient (this worker's step
+        ended early: an epoch's end or an error), so no PS waits for it."""
+        for g, answer in enumerate(self.answers):
+            if answer is None:
+                self.send(g, None)
+
+    def metas(self, meta: dict) -> list[dict]:
+        """Every worker's `meta` of this step, in rank order (PS 0 gathers them).
+        Blocks, at most the client's `timeout_s`; a dead peer or PS 0 ends the
+        wait at once (nothing of the step is applied anywhere before this)."""
+        client = self.client
+        ref = client.ps[0].gather.remote(self.seq, client.rank, client.world, meta)
+        return client._wait([ref], [0], self.seq, self.label, kind="gather")[0]
+
+    def ready_prefix(self) -> int:
+        """How many groups, from group 0 on, have their PS's answer here already
+        (the rest are still being summed or sent). Does not block."""
+        import ray
+
+        sent = [a for a in self.answers if a is not None]
+        ready = set(ray.wait(sent, num_returns=len(sent), timeout=0, fetch_local=False)[0]) \
+            if sent else set()
+        count = 0
+        while count < len(self.answers) and self.answers[count] in ready:
+            count += 1
+        return count
+
+    def mean(self, g: int) -> tuple[np.ndarray, ...]:
+        """Group `g`'s mean: one read-only array per shard of the group. Blocks, at
+        most the client's `timeout_s`. If the group's PS died, the mean is made
+        here from every worker's part (`fallback`); if that cannot be done
+        either, the PS's death is raised."""
+        import ray
+
+        client, ps = self.client, self.layout.ps_of_group[g]
+        try:
+            result_ref = client._wait([self.answers[g]], [ps], self.seq, self.label)[0][0]
+            means = ray.get(result_ref, timeout=max(1.0, client.timeout_s))
+        except (*actor_died_errors(), ray.exceptions.ObjectLostError) as e:
+            dead = getattr(e, "dead_ps", None)
+            if dead is not None and ps not in dead:
+                raise
+            try:
+                means = self.fallback(g)
+                self.fell_back.append(g)
+                return means
+            except Exception as inner:  # noqa: BLE001 - the PS's death is the cause
+                raise e from inner
+        if means is None:
+            raise RuntimeError(f"{client.what} {self.label}: group {g} has no mean (a worker "
+                               "sent no gradient)")
+        return means
+
+    def fallback(self, g: int) -> tuple[np.ndarray, ...]:
+        """Group `g`'s mean over every worker's part, computed here as its PS would
+        (the PS died): each peer is asked for its part (`Worker.parts_of`).
+        Blocks, at most the client's `timeout_s`."""
+        import ray
+
+        from dsgd.comm.means import group_means
+
+        client = self.client
+        if client.peers is None:
+            raise RuntimeError("no peers to ask for their parts")
+        asked = [None if r == client.rank else peer.parts_of.remote(self.seq, g)
+                 for r, peer in enumerate(client.peers)]
+        refs = [[self.parts[g]] if r == client.rank else ray.get(a, timeout=client.timeout_s)
+                for r, a in enumerate(asked)]
+        if any(r is None or r[0] is None for r in refs):
+            raise RuntimeError(f"a worker no longer holds its part of group {g}")
+        parts = ray.get([r[0] for r in refs], timeout=client.timeout_s)
+        return group_means(self.layout.shards(g), parts)
+
+
+def bucket_layout(layout: ExchangeLayout, min_bytes: int) -> ExchangeLayout:
+    """The groups of the overlapped exchange (`Sending`): buckets of consecutive
+    shards (so of consecutive variables, which the backward pass makes at about
+    the same time; the plan packs the last variables first, so bucket 0 is the
+    first the backward pass makes), each at least `min_bytes` or the gradient's share of one
+    PS, whichever is less (but the last: so that every PS gets work), each
+    bucket on the PS least loaded by the buckets before it (ties: the lower
+    index), so that buckets made one after the other in the backward pass go
+    to different PS actors. The PS actors are `layout`'s."""
+    shards = layout.plan.shards
+    num_ps = max(1, layout.num_ps)
+    min_bytes = min(min_bytes, -(-sum(s.nbytes for s in shards) // num_ps))
+    buckets, current, size = [], [], 0
+    for j, shard in enumerate(shards):
+        current.append(j)
+        size += shard.nbytes
+        if size >= min_bytes:
+            buckets.append(tuple(current))
+            current, size = [], 0
+    if current:
+        buckets.append(tuple(current))
+    load, owner = [0] * num_ps, [0] * len(buckets)
+    for b in range(len(buckets)):  # the order the backward pass makes them
+        ps = min(range(num_ps), key=lambda p: (load[p], p))
+        owner[b] = ps
+        load[ps] += sum(shards[j].nbytes for j in buckets[b])
+    return ExchangeLayout(layout.plan, tuple(buckets), tuple(owner))
 
 
 def died(what: str, ps: Sequence[int] = ()) -> Exception:

@@ -45,7 +45,8 @@ class ActorSet:
         self.worker_options = worker_options
         self.suffix = suffix
         self.stall_s = stall_s
-        self._worker_cls = LocalActorClass(worker_cls) if local else ray.remote(worker_cls)
+        self._worker_cls = LocalActorClass(worker_cls) if local else \
+            ray.remote(concurrency_groups={"peer": 1})(worker_cls)
         self._ps_cls = ps_actor_class(ps_cls, ps_world)
         self._slots: list[int] = []     # worker slot of self._workers[k]
         self._workers: list = []

@@ -132,6 +132,8 @@ class Replicas:
         self._compute_fn = compiled(self._compute_graph)
         self._apply_fn = compiled(self._apply_graph)
         self._stages: dict = {}  # shard groups -> [_Stage], for apply_stage
+        self._sending_fns: dict = {}  # shard groups -> compiled compute_sending
+        self.sender: Callable | None = None  # compute_sending's receiver, set per step
 
     def local_step(self, batches: list | None = None):
         """Batches (one per replica; None: each replica's `get_batch()`) ->
@@ -149,6 +151,56 @@ class Replicas:
         Under fp16 compression a mean that overflows float16 counts as not finite
         on every replica."""
         return self._compute_fn(self._tensors(batches))
+
+    def compute_sending(self, groups: tuple[tuple[int, ...], ...], batches: list | None = None):
+        """`compute`, but the gradient leaves during the backward pass: for each
+        group of shard indices in `groups`, one op of the compiled step, whose
+        inputs are the wire gradients of the variables with pieces in those
+        shards, calls `self.sender(g, arrays)` as soon as TensorFlow has them
+        (`arrays`: {variable index: 1-D numpy array of its wire gradient}),
+        while the rest of the backward pass goes on. The arrays are valid only
+        during that call (TensorFlow may reuse their memory afterwards): the
+        sender copies what it keeps (into the object store). The calls run on
+        TensorFlow's threads, under the GIL, in the order the gradients become
+        ready (typically the last layers first); every group's call has
+        returned when this returns. A sender that raises fails the step (the
+        error is raised here). Returns (losses [D], finite [D], metrics {name:
+        [D]}): the step's figures, the gradient itself having left."""
+        fn = self._sending_fns.get(groups)
+        if fn is None:
+            import tensorflow as tf
+
+            graph = functools.partial(self._compute_sending_graph, groups)
+            fn = self._sending_fns[groups] = graph if self.eager else \
+                tf.function(graph, reduce_retracing=True)
+        return fn(self._tensors(batches))
+
+    def _compute_sending_graph(self, groups, batches):
+        import tensorflow as tf
+
+        losses, finite, wire, metrics = self._wire_gradients(batches)
+        sent = []
+        for g, shards in enumerate(groups):
+            var_ids = sorted({p.var_index for j in shards for p in self.plan.shards[j].pieces})
+            inputs = [wire[v] for v in var_ids]
+            if self.gpu:
+                # The bucket's copy to host, inside the step, as soon as it exists: into
+                # TensorFlow's GPU host allocator (pinned), on the device's copy stream,
+                # not `.numpy()` through pageable memory after the step.
+                with tf.device("/cpu:0"):
+                    inputs = [tf.identity(x) for x in inputs]
+            # Stateless (with its output returned): not ordered after the step's
+            # other stateful ops by tf.function's automatic control dependencies,
+            # so it runs as soon as its own inputs exist.
+            sent.append(tf.numpy_function(functools.partial(self._send_hook, g, var_ids),
+                                          inputs, tf.bool, stateful=False))
+        return losses, finite, metrics, tf.stack(sent) if sent else tf.constant([], tf.bool)
+
+    def _send_hook(self, g: int, var_ids: list[int], *arrays) -> np.ndarray:
+        sender = self.sender
+        if sender is not None:
+            sender(g, dict(zip(var_ids, arrays)))
+        return np.True_
 
     def shard_pieces(self, flat_grads) -> list[tuple[np.ndarray, ...]]:
         """For each shard of the plan, its pieces as numpy views of the gradient
@@ -307,6 +359,11 @@ class Replicas:
         return True
 
     def _compute_graph(self, batches):
+        return self._wire_gradients(batches)
+
+    def _wire_gradients(self, batches):
+        """(compute's and compute_sending's graphs) The step's figures and each
+        variable's mean gradient, flattened, as its shards travel."""
         import tensorflow as tf
 
         losses, finite, means, _, metrics = self._replica_means(batches)

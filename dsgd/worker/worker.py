@@ -27,11 +27,13 @@ passes `data`, from the loader that `attach_data` installed.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import ray
 
 from dsgd.comm import store
 from dsgd.worker import checkpoint_files
@@ -54,6 +56,11 @@ class Worker:
         self._exchange = None  # (PSClient, layout, on_nonfinite) after join()
         self._late = False  # backup workers: dropped from the last step (exchange_steps)
         self._recent_metas: dict = {}  # exchange number -> every worker's meta (recent steps)
+        self._sendings: dict = {}  # exchange number -> its Sending (this step's and the last)
+        # The workers' exchange sends the gradient during the backward pass
+        # (_overlapped_step); DSGD_OVERLAP=0 sends it after (for measurements).
+        self.overlap = os.environ.get("DSGD_OVERLAP", "1") != "0"
+        self.fell_back = 0  # buckets this worker averaged itself (their PS died)
         self._metas_kept = 0  # exchange_steps: how many of them to keep at least
         self.replicas = Replicas(model_creator, worker_index, devices_per_worker, gpu,
                                  all_reduce_alg)
@@ -187,13 +194,17 @@ class Worker:
         all). `timeline_on`: record this worker's steps for the timeline
         (dsgd/comm/timeline.py). The driver calls it after start-up and after
         every change of workers or PS actors."""
+        from dsgd import constants
         from dsgd.comm import timeline
-        from dsgd.comm.ps_client import PSClient
+        from dsgd.comm.ps_client import PSClient, bucket_layout
 
         timeline.enable(f"worker {self.worker_index}", timeline_on)
         self._exchange = (PSClient(ps, ps_names, rank, len(peers), timeout_s,
                                    f"worker {self.worker_index}", peers=peers, need=need),
                           layout, on_nonfinite)
+        self._buckets = bucket_layout(layout, constants.BUCKET_MIN_BYTES)
+        self._sendings.clear()
+        self._dead_ps: list[int] = []  # PS actors found dead by a fallback: replaced next
         self._late = False
 
     def exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool = False,
@@ -236,11 +247,21 @@ class Worker:
         contributor's tally ("tallies", by slot, from the metas), and each
         worker's "dropped": [batches, rows] it computed from get_batch and saw
         dropped."""
+        if run == self._halted_run:
+            return []
+        try:
+            return self._exchange_steps(datas, seqs, run, compact, reporter)
+        finally:
+            # This call's last step's parts (kept for a peer's fallback) are not kept
+            # beyond the call: the store drains between calls. A peer still averaging
+            # that step's bucket of a PS that died then exits (recovered as a death).
+            self._sendings.clear()
+
+    def _exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool,
+                        reporter: bool) -> list[dict] | dict:
         from dsgd.comm.waits import actor_died_errors
         from dsgd.errors import ExchangeAbandoned, StepTimeoutError
 
-        if run == self._halted_run:
-            return []
         self._metas_kept = 2 * len(seqs)
         infos = []
         if datas is None:
@@ -312,6 +333,8 @@ class Worker:
         client, layout, on_nonfinite = self._exchange
         if client.choosing:
             return self._backup_step(data, seq)
+        if self.overlap:
+            return self._overlapped_step(data, seq)
         start = time.perf_counter()
         label = f"step {self.applied_steps + 1}"
         try:
@@ -349,6 +372,154 @@ class Worker:
         exchanged = self._apply_decided(decision, means, report, sent)
         self._record_step(seq, start, start + data_s, sent, exchanged)
         return report
+
+    def _overlapped_step(self, data, seq: int) -> dict:
+        """`_exchange_step` with the gradient leaving during the backward pass:
+        each bucket of consecutive shards (`bucket_layout`) goes to its PS from
+        inside the compiled step as soon as its gradients exist
+        (Replicas.compute_sending); once the step is computed every worker's
+        meta is gathered and the step decided alike everywhere; then the
+        buckets' means are applied one by one as they arrive (in the order the
+        backward pass made them), each update exactly that of one apply
+        (Replicas.apply_stage), where the optimizers allow it."""
+        from dsgd.comm import commit
+        from dsgd.comm.ps_client import died
+
+        client, _, on_nonfinite = self._exchange
+        buckets = self._buckets
+        start = time.perf_counter()
+        label = f"step {self.applied_steps + 1}"
+        if self._dead_ps:  # a PS died last step (its bucket was averaged here): replace it
+            dead = self._dead_ps
+            raise died(f"worker {self.worker_index} {label}: PS actor(s) "
+                       f"{', '.join(client.names[j] for j in dead)} died (the last step's "
+                       "means were made by the workers)", ps=dead)
+        sending = client.sending(buckets, seq, label)
+        self._sendings[seq] = sending
+        shards = self.replicas.plan.shards
+
+        def send(g: int, arrays: dict) -> None:
+            sending.send(g, tuple(arrays[p.var_index][p.var_offset:p.var_offset + p.length]
+                                  for j in buckets.groups[g] for p in shards[j].pieces))
+
+        try:
+            batches, samples = self._batches(data)
+            data_s = time.perf_counter() - start
+            computed = None
+            if batches is not None:
+                self.replicas.sender = send
+                try:
+                    computed = self.replicas.compute_sending(buckets.groups, batches)
+                finally:
+                    self.replicas.sender = None
+        except Exception as e:
+            try:  # no PS or peer waits for this worker's gradient: they stop now
+                sending.send_rest()
+                sending.metas(commit.meta(self.worker_index, None, None, e))
+            except Exception:  # noqa: BLE001 - this worker's own error is the one to report
+                pass
+            raise
+        if computed is None:
+            sending.send_rest()
+            commit.decide(sending.metas(commit.meta(self.worker_index, None, None)),
+                          on_nonfinite)  # raises unless every worker's epoch ended
+            return {"epoch_end": True}
+        losses, finite, metrics, _ = computed
+        finite = finite.numpy().tolist()
+        computed_at = time.perf_counter()
+        report = {"losses": losses.numpy().tolist(), "finite": finite,
+                  "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
+                  "samples": samples, "data_s": data_s, "compute_s": computed_at - start}
+        mine = {k: report[k] for k in ("losses", "metrics", "samples", "data_s", "compute_s")}
+        metas = sending.metas(commit.meta(self.worker_index, finite, list(metrics), report=mine))
+        # Every worker has applied the last step (each sends its meta only after): no
+        # peer's fallback can ask for its parts any more.
+        self._sendings = {seq: sending}
+        self._keep_metas(seq, metas)
+        decision = commit.decide(metas, on_nonfinite)
+        apply_s = 0.0
+        if decision.action == commit.APPLY:
+            apply_s = self._apply_arriving(sending, buckets)
+            self.applied_steps += 1
+            self._freeze_gc_once()
+        if sending.fell_back:
+            self.fell_back += len(sending.fell_back)
+            self._dead_ps = sorted({buckets.ps_of_group[g] for g in sending.fell_back})
+        end = time.perf_counter()
+        report.update(exchange_s=end - computed_at - apply_s, apply_s=apply_s,
+                      applied=decision.action == commit.APPLY, decision=decision.action,
+                      nonfinite=list(decision.nonfinite))
+        self._record_step(seq, start, start + data_s, computed_at, end, overlapped=True)
+        return report
+
+    def _apply_arriving(self, sending, buckets) -> float:
+        """Apply the step's means as they arrive, in the order the backward pass
+        made the buckets (bucket 0, the last layers', first): the buckets
+        already in when the step is decided in one update, while the PS actors
+        still sum the later ones, which are applied in a second update once
+        in (Replicas.apply_stage keeps the two exactly one update); everything
+        in one update when all or none are in, or when the optimizers cannot
+        be applied in parts (`per_group_blocker`). A worker that cannot finish
+        a step it has begun to apply exits: its weights would be neither the
+        step's nor the last (the driver recovers it like any dead worker).
+        Returns the seconds spent applying."""
+        from dsgd.comm import timeline
+
+        tl = timeline.recorder()
+        step = sending.seq & ((1 << 32) - 1)
+        count = len(buckets.groups)
+        ready = sending.ready_prefix()
+        if self.replicas.per_group_blocker is not None or ready in (0, count):
+            stages = [tuple(range(count))]  # one update of everything
+        else:  # (two updates: more would cost more than they hide, on a CPU at least)
+            stages = [tuple(range(ready)), tuple(range(ready, count))]
+        groups = tuple(tuple(j for b in stage for j in buckets.groups[b]) for stage in stages)
+        means: dict = {}
+        apply_s, begun = 0.0, False
+        try:
+            for k, stage in enumerate(stages):
+                for b in stage:
+                    waited = time.perf_counter()
+                    means.update(zip(buckets.groups[b], sending.mean(b)))
+                    if tl.on:
+                        to_wall = time.time() - time.perf_counter()
+                        tl.add(f"receive group {b}", "receive", waited + to_wall,
+                               time.perf_counter() + to_wall, step=step)
+                arrived = time.perf_counter()
+                if len(stages) == 1:
+                    self.replicas.apply([means[j] for j in range(self.replicas.plan.num_shards)])
+                else:
+                    begun = self.replicas.apply_stage(groups, k, means) or begun
+                applied = time.perf_counter()
+                apply_s += applied - arrived
+                if tl.on:
+                    to_wall = time.time() - applied
+                    tl.add(f"apply group {', '.join(map(str, stage))}", "apply",
+                           arrived + to_wall, applied + to_wall, step=step)
+        except BaseException as e:
+            if begun:
+                self._exit_partly_applied(e)
+            raise
+        return apply_s
+
+    def _exit_partly_applied(self, e: BaseException) -> None:
+        import sys
+        import traceback
+
+        print(f"dsgd worker {self.worker_index}: exiting: step {self.applied_steps + 1} "
+              f"was partly applied when {type(e).__name__}: {e}", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+
+    @ray.method(concurrency_group="peer")
+    def parts_of(self, seq: int, g: int) -> list:
+        """[this worker's part (an ObjectRef) of bucket `g` of exchange `seq`], or
+        [None] if it no longer holds it: a peer whose PS died averages that
+        bucket itself (`Sending.fallback`). Runs beside `exchange_steps` (its
+        own concurrency group), answering at once."""
+        sending = self._sendings.get(seq)
+        return [None if sending is None else sending.parts[g]]
 
     def _backup_step(self, data, seq: int) -> dict:
         """`_exchange_step` under backup workers (see `exchange_steps`)."""
@@ -419,7 +590,7 @@ class Worker:
         return timeline.recorder().drain()
 
     def _record_step(self, seq: int, start: float, computed: float, sent: float,
-                     exchanged: float, sat_out: bool = False) -> None:
+                     exchanged: float, sat_out: bool = False, overlapped: bool = False) -> None:
         """The timeline's row of one step of the workers' exchange, from
         `perf_counter` stamps: start, batches read, gradient computed (the first
         group about to leave), means read; the apply ends now."""
@@ -433,7 +604,11 @@ class Worker:
         step = seq & ((1 << 32) - 1)
         spans = [("sat out", start, sent)] if sat_out else \
             [("data", start, computed), ("compute", computed, sent)]
-        for name, a, b in spans + [("exchange", sent, exchanged), ("apply", exchanged, end)]:
+        # (overlapped: the groups left during "compute"; each one's receive and apply
+        # are on their own rows)
+        spans += [("decide, receive and apply", sent, exchanged)] if overlapped else \
+            [("exchange", sent, exchanged), ("apply", exchanged, end)]
+        for name, a, b in spans:
             if b > a:
                 tl.add(name, "step", a + to_wall, b + to_wall, step=step)
 
@@ -555,15 +730,7 @@ class Worker:
                 begun = self.replicas.apply_stage(groups, k, shards) or begun
         except BaseException as e:
             if begun:
-                import os
-                import sys
-                import traceback
-
-                print(f"dsgd worker {self.worker_index}: exiting: step {self.applied_steps + 1} "
-                      f"was partly applied when {type(e).__name__}: {e}", file=sys.stderr)
-                traceback.print_exc()
-                sys.stderr.flush()
-                os._exit(1)
+                self._exit_partly_applied(e)
             raise
         self.applied_steps += 1
         self._freeze_gc_once()

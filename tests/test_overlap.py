@@ -1,0 +1,191 @@
+"""The overlapped exchange (issue 35): on the workers' own exchange each bucket of
+the gradient leaves from inside the compiled step as soon as the backward pass
+has made it (Replicas.compute_sending), the step is decided from every worker's
+meta, and the means are applied as they arrive (Worker._apply_arriving), exactly
+one update; a bucket whose PS died is averaged by the workers themselves from
+each other's parts (Sending.fallback)."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import ray
+
+import dsgd
+from dsgd.comm.ps_client import bucket_layout
+from dsgd.comm.sharding import exchange_layout, plan_shards
+import tiny
+from helpers import Reset, assert_replicas_identical
+
+BATCH, STEPS = 4, 4
+TOL = 1e-5  # float32 round-off of 4 steps (as tests/test_exact.py)
+
+
+# -- buckets -----------------------------------------------------------------------------
+def test_buckets_are_consecutive_shards_in_backward_order_spread_over_the_ps():
+    plan = plan_shards([(256, 256)] * 8, ["float32"] * 8, 256 * 256 * 4)  # 8 shards of 256 KiB
+    layout = exchange_layout(plan, 2)
+    buckets = bucket_layout(layout, 512 * 1024)
+    # The plan packs the last variable first: bucket 0 is what the backward pass makes first.
+    assert [[p.var_index for j in b for p in plan.shards[j].pieces] for b in buckets.groups] == \
+        [[7, 6], [5, 4], [3, 2], [1, 0]]
+    assert buckets.ps_of_group == (0, 1, 0, 1)  # one after the other to different PS
+    assert sorted(j for b in buckets.groups for j in b) == list(range(plan.num_shards))
+
+
+def test_small_gradients_still_give_every_ps_a_bucket():
+    plan = plan_shards([(10,)] * 6, ["float32"] * 6, 40)  # 6 shards of 40 bytes
+    buckets = bucket_layout(exchange_layout(plan, 3), 4 * 2**20)
+    assert len(buckets.groups) == 3 and sorted(buckets.ps_of_group) == [0, 1, 2]
+
+
+# -- on a cluster ------------------------------------------------------------------------
+def keyed(w, d):
+    """Adam with a schedule (rate and bias correction read the iteration count);
+    batches keyed by that count (tests/tiny.py)."""
+    return tiny.StepKeyedModel(w, d, 1, BATCH, "adam_schedule")
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """2 workers, 2 PS, 100-byte shards (2 buckets, a variable split across them)."""
+    with dsgd.DistributedSGD(keyed, 2, 1, gpu=False, grad_shard_bytes=100, num_ps=2,
+                             step_timeout_s=120) as sgd:
+        reset = Reset(sgd, str(tmp_path_factory.mktemp("overlap") / "start"))
+        yield sgd, reset, sgd.get_weights()
+
+
+def _ready_says(ready: int):
+    """Patch, in a worker's process, `Sending.ready_prefix` to say `ready` (how
+    many buckets are in when the step is decided: 1 of 2 applies the step in two
+    updates, bucket 1's mean read between them) whatever the timing, and count
+    the replicas' applies at once and in parts."""
+    def patch(worker):
+        from dsgd.comm import ps_client
+
+        ps_client.Sending._real = {"ready_prefix": ps_client.Sending.ready_prefix}
+        ps_client.Sending.ready_prefix = lambda self: ready
+        worker.applies = {"whole": 0, "part": 0}
+        replicas = worker.replicas
+        whole, part = replicas.apply, replicas.apply_stage
+
+        def count(kind, fn):
+            def counted(*args):
+                worker.applies[kind] += 1
+                return fn(*args)
+            return counted
+
+        replicas.apply, replicas.apply_stage = count("whole", whole), count("part", part)
+    return patch
+
+
+def _unpatch(worker):
+    from dsgd.comm import ps_client
+
+    for name, real in getattr(ps_client.Sending, "_real", {}).items():
+        setattr(ps_client.Sending, name, real)
+    ps_client.Sending._real = {}
+    for name in ("apply", "apply_stage"):
+        worker.replicas.__dict__.pop(name, None)
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+@pytest.mark.parametrize("ready", [0, 1])
+def test_applied_as_the_buckets_arrive_equals_single_process_training(shared, ready):
+    """Adam with a schedule, a variable split across the 2 buckets: applied at
+    once or in two updates (bucket 0 before bucket 1's mean is read), the
+    weights are those of single-process training."""
+    sgd, reset, initial = shared
+    reset()
+    sgd.foreach_worker(_ready_says(ready))
+    try:
+        sgd.train(num_steps=STEPS)
+        applies = sgd.foreach_worker(lambda w: w.applies)
+    finally:
+        sgd.foreach_worker(_unpatch)
+    got = assert_replicas_identical(sgd)
+    expected, _ = tiny.reference_run(initial, 2, BATCH, STEPS, "adam_schedule")
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
+    # Sent from inside the step in 2 buckets; applied at once, or in two updates a step.
+    facts = sgd.foreach_worker(lambda w: (w.overlap, len(w._buckets.groups),
+                                          len(w.replicas._sending_fns)))
+    assert facts == [(True, 2, 1)] * 2
+    want = {"whole": 0, "part": 2 * STEPS} if ready else {"whole": STEPS, "part": 0}
+    assert applies == [want] * 2
+
+
+def _kill_before_sending(bucket: int, pid: int):
+    """Patch, in a worker's process, `Sending.send` so that the worker about to
+    send `bucket` of the next step first kills the PS process `pid` (the first
+    to get there kills it, the other finds it dead)."""
+    def patch(worker):
+        from dsgd.comm import ps_client
+
+        real = ps_client.Sending.send
+        ps_client.Sending._real = {"send": real}
+        first: list = []
+
+        def send(self, g, part):
+            first.append(self.seq)
+            if g == bucket and self.seq == first[0]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                for _ in range(200):
+                    if _gone(pid):
+                        break
+                    time.sleep(0.05)
+            return real(self, g, part)
+
+        ps_client.Sending.send = send
+        worker.fell_back_before = worker.fell_back
+    return patch
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_a_ps_dead_after_the_step_is_decided_the_workers_average_its_bucket(shared):
+    """The PS of the last bucket dies as step 3's last bucket leaves: every worker
+    has decided step 3 (PS 0 gathers the metas), applies bucket 0, then averages
+    the last bucket itself from both workers' parts, exactly as the PS would;
+    step 4 then stops at its start naming the dead PS, which the driver
+    replaces, and step 4 is run again. The weights are those of an
+    uninterrupted run, bit for bit."""
+    sgd, reset, _ = shared
+    reset()
+    for _ in range(STEPS):
+        sgd.step()
+    uninterrupted = sgd.get_weights()
+    reset()
+    sgd.step()
+    sgd.step()
+    failures = len(sgd.failures)
+    last = len(sgd.foreach_worker(lambda w: w._buckets.groups)[0]) - 1
+    ps = sgd.foreach_worker(lambda w: w._buckets.ps_of_group[-1])[0]
+    assert ps != 0  # (PS 0 gathers the metas: it must live for the step to be decided)
+    pid = ray.get(sgd.ps_actors[ps].ping.remote(), timeout=60)["pid"]
+    sgd.foreach_worker(_kill_before_sending(last, pid))
+    try:
+        sgd.train(num_steps=2)
+    finally:
+        sgd.foreach_worker(_unpatch)
+    fell_back = sgd.foreach_worker(lambda w: w.fell_back - w.fell_back_before)
+    assert fell_back == [1, 1], sgd.failures  # step 3's last bucket, on each worker
+    assert len(sgd.failures) == failures + 1, sgd.failures
+    assert f"PS actor(s) {ps} died" in sgd.failures[-1]["reason"]
+    assert sgd.steps_done == STEPS and len(sgd.ps_actors) == 2
+    for got, want in zip(assert_replicas_identical(sgd), uninterrupted, strict=True):
+        np.testing.assert_array_equal(got, want)
