@@ -304,6 +304,7 @@ class Sending:
         self.answers: list = [None] * len(layout.groups)  # each group's reduce call
         self.parts: list = [None] * len(layout.groups)    # this worker's part of each group
         self.fell_back: list[int] = []  # the groups whose mean `fallback` made (their PS died)
+        self._means: dict = {}  # group -> its mean, read ahead by `collect`
         self._lock = threading.Lock()
 
     def send(self, g: int, part: tuple | None) -> None:
@@ -335,22 +336,47 @@ class Sending:
 
     def metas(self, meta: dict) -> list[dict]:
         """Every worker's `meta` of this step, in rank order (PS 0 gathers them).
-        Blocks, at most the client's `timeout_s`; a dead peer or PS 0 ends the
-        wait at once (nothing of the step is applied anywhere before this)."""
-        client = self.client
-        ref = client.ps[0].gather.remote(self.seq, client.rank, client.world, meta)
-        return client._wait([ref], [0], self.seq, self.label, kind="gather")[0]
-
-    def ready_prefix(self) -> int:
-        """How many groups, from group 0 on, have their PS's answer here already
-        (the rest are still being summed or sent). Does not block."""
+        While waiting, reads the means already summed (`collect`). Blocks, at
+        most the client's `timeout_s`; a dead peer or PS 0 ends the wait at once
+        (nothing of the step is applied anywhere before this)."""
         import ray
 
-        sent = [a for a in self.answers if a is not None]
-        ready = set(ray.wait(sent, num_returns=len(sent), timeout=0, fetch_local=False)[0]) \
-            if sent else set()
+        client = self.client
+        ref = client.ps[0].gather.remote(self.seq, client.rank, client.world, meta)
+        if not ray.wait([ref], timeout=0, fetch_local=False)[0]:
+            self.collect()
+        return client._wait([ref], [0], self.seq, self.label, kind="gather")[0]
+
+    def collect(self) -> None:
+        """Read, in one call each, every group's answer and mean that is in already
+        (kept for `mean`); a group whose answer failed is left to `mean`. Does
+        not block."""
+        import ray
+
+        waiting = [(g, a) for g, a in enumerate(self.answers)
+                   if a is not None and g not in self._means]
+        if not waiting:
+            return
+        ready = set(ray.wait([a for _, a in waiting], num_returns=len(waiting), timeout=0,
+                             fetch_local=False)[0])
+        groups = [g for g, a in waiting if a in ready]
+        if not groups:
+            return
+        try:
+            results = ray.get([self.answers[g] for g in groups], timeout=self.client.timeout_s)
+            means = ray.get([r[0] for r in results], timeout=self.client.timeout_s)
+        except Exception:  # noqa: BLE001 - a failed group is `mean`'s to name or average
+            return
+        for g, m in zip(groups, means):
+            if m is not None:
+                self._means[g] = m
+
+    def ready_prefix(self) -> int:
+        """How many groups, from group 0 on, have their means here already (the
+        rest are still being summed or sent), after a `collect`. Does not block."""
+        self.collect()
         count = 0
-        while count < len(self.answers) and self.answers[count] in ready:
+        while count < len(self.answers) and count in self._means:
             count += 1
         return count
 
@@ -361,6 +387,8 @@ class Sending:
         either, the PS's death is raised."""
         import ray
 
+        if g in self._means:
+            return self._means.pop(g)
         client, ps = self.client, self.layout.ps_of_group[g]
         try:
             result_ref = client._wait([self.answers[g]], [ps], self.seq, self.label)[0][0]
