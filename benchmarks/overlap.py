@@ -14,17 +14,20 @@ layers above it have waited: gradients become ready during the backward pass,
 in reverse layer order, as on a GPU. Gradients are cheap constant fills of the
 weight's shape (the exchange moves real 4 MiB tensors).
 
-Four configurations, interleaved in `--rounds` rounds (medians over the rounds
+Six configurations, interleaved in `--rounds` rounds (medians over the rounds
 of each one's median step over `--steps` steps of `train()`):
 - `one, compute`: one worker, the sleeps (no exchange): the compute alone;
-- `two, compute`: two workers, the sleeps: compute + whatever of the exchange
-  is not hidden behind it;
-- `one, no compute` and `two, no compute`: the same with zero sleeps; their
-  difference is the exchange's own cost.
+- `two, compute, overlapped` / `after backward`: two workers, the sleeps,
+  the gradient sent during the backward pass (`overlap=True`, what `gpu=True`
+  does by default: the sleeps leave the CPU free as a GPU does) or after it
+  (`overlap=False`, the step before issue 35): compute + whatever of the
+  exchange is not hidden behind it;
+- the same three with zero sleeps: their differences are each exchange's own cost.
 
 `exposed = (two, compute) - (one, compute)`; `own = (two, no compute) - (one, no
-compute)`; the figure of merit is `exposed / own` (issue 35's target: <= 0.25;
-with no overlap it is ~1). Layers are one shard each (`grad_shard_bytes` = 4 MiB),
+compute)`, for each path; the figure of merit is the overlapped path's
+`exposed / own` (issue 35's target: <= 0.25; with no overlap it is ~1), also
+given against the after-backward path's own cost. Layers are one shard each (`grad_shard_bytes` = 4 MiB),
 two PS.
 
 Then one more two-worker run with the sleeps records a Chrome trace
@@ -113,20 +116,32 @@ class SleepyModel(dsgd.Model):
         return self.optimizer
 
 
-CONFIGS = [("one", True), ("two", True), ("one", False), ("two", False)]
+# (workers, emulated compute, overlap): two workers both overlapped (the gradient sent
+# during the backward pass) and not (sent after it, the step before issue 35).
+CONFIGS = [("one", True, False), ("two", True, True), ("two", True, False),
+           ("one", False, False), ("two", False, True), ("two", False, False)]
 
 
-def run(workers: str, compute: bool, args, timeline: str | None = None) -> dict:
+def label(workers: str, compute: bool, overlap: bool) -> str:
+    return (f"{workers}, {'compute' if compute else 'no compute'}"
+            + ("" if workers == "one" else ", overlapped" if overlap else ", after backward"))
+
+
+def run(workers: str, compute: bool, overlap: bool, args, timeline: str | None = None) -> dict:
     n = 1 if workers == "one" else 2
     forward = args.forward_ms / 1e3 if compute else 0.0
     backward = args.backward_ms / 1e3 if compute else 0.0
     sgd = dsgd.DistributedSGD(lambda w, d: SleepyModel(args.layers, forward, backward), n, 1,
                               gpu=False, grad_shard_bytes=4 * MIB, num_ps=2 if n > 1 else None,
-                              step_timeout_s=300, timeline=timeline)
+                              step_timeout_s=300, timeline=timeline,
+                              # (the sleeps leave the CPU free, as a GPU does: overlap as
+                              # gpu=True would by default)
+                              overlap=overlap)
     try:
         sgd.train(args.warmup)
         summary = sgd.train(args.steps)
-        return {"workers": n, "compute": compute, "median_step_ms": 1e3 * summary["step_s"],
+        return {"config": label(workers, compute, overlap), "workers": n, "compute": compute,
+                "overlap": overlap, "median_step_ms": 1e3 * summary["step_s"],
                 "mean_times_ms": {k: 1e3 * v for k, v in summary["mean_times"].items()}}
     finally:
         sgd.shutdown()
@@ -160,11 +175,13 @@ def real_models(args) -> dict:
 
     import common  # benchmarks/peers/common.py
     from dsgd.examples import mnist
-    from dsgd_peer import PeerModel
 
-    ray.cloudpickle.register_pickle_by_value(common)
+    import dsgd_peer
+
+    for module in (common, dsgd_peer):  # (the workers cannot import benchmarks/peers)
+        ray.cloudpickle.register_pickle_by_value(module)
     models = {"MNIST CNN, batch 64": lambda w, d: mnist.MnistModel(w, 2, 64, 1e-3),
-              "ResNet-50 32x32, batch 2": lambda w, d: PeerModel("comm", seed=w)}
+              "ResNet-50 32x32, batch 2": lambda w, d: dsgd_peer.PeerModel("comm", seed=w)}
     out = {}
     for name, creator in models.items():
         times: dict = {True: [], False: []}
@@ -172,6 +189,7 @@ def real_models(args) -> dict:
             sgd.train(args.warmup)
             for r in range(args.real_rounds):
                 for overlap in (True, False):
+                    # (as overlap=True or False would; join, at a membership change, resets it)
                     sgd.foreach_worker(lambda w, on=overlap: setattr(w, "overlap", on))
                     sgd.train(2)  # (the other path's first steps: warm)
                     summary = sgd.train(args.real_steps)
@@ -209,18 +227,25 @@ def main(argv=None) -> dict:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []
     for r in range(args.rounds):
-        for workers, compute in CONFIGS:
-            row = run(workers, compute, args)
+        for workers, compute, overlap in CONFIGS:
+            row = run(workers, compute, overlap, args)
             row["round"] = r
             rows.append(row)
             print(json.dumps(row), flush=True)
-    median = {f"{w}, {'compute' if c else 'no compute'}": statistics.median(
-        x["median_step_ms"] for x in rows if x["workers"] == (1 if w == "one" else 2)
-        and x["compute"] == c) for w, c in CONFIGS}
-    exposed = median["two, compute"] - median["one, compute"]
-    own = median["two, no compute"] - median["one, no compute"]
+    median = {label(*c): statistics.median(x["median_step_ms"] for x in rows
+                                           if x["config"] == label(*c)) for c in CONFIGS}
+    figures = {}
+    for name, overlap in (("overlapped", True), ("after_backward", False)):
+        exposed = median[label("two", True, overlap)] - median["one, compute"]
+        own = median[label("two", False, overlap)] - median["one, no compute"]
+        figures[name] = {"exposed_ms": exposed, "exchange_own_ms": own,
+                         "exposed_over_own": exposed / own if own > 0 else None}
+    # The overlapped step's exposed time against the exchange's own cost before
+    # issue 35 (sent after the backward pass), both measured here.
+    figures["overlapped"]["exposed_over_own_after_backward"] = (
+        figures["overlapped"]["exposed_ms"] / figures["after_backward"]["exchange_own_ms"])
     trace = args.timeline or os.path.join(tempfile.mkdtemp(), "overlap_trace.json")
-    run("two", True, args, timeline=trace)
+    run("two", True, True, args, timeline=trace)
     one_step = timeline_step(trace)
     real = real_models(args) if args.real_rounds else {}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -228,8 +253,8 @@ def main(argv=None) -> dict:
     result = {"benchmark": "overlap", "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
               "no GPU (emulated accelerator: compute is a sleep)", "date": time.strftime("%Y-%m-%d"),
               "commit": commit, "args": vars(args), "grad_mib": 4 * args.layers,
-              "median_step_ms": median, "exposed_ms": exposed, "exchange_own_ms": own,
-              "exposed_over_own": exposed / own if own > 0 else None, "rows": rows,
+              "median_step_ms": median, **figures["overlapped"], "figures": figures,
+              "rows": rows,
               "real_models": real, "timeline_step": one_step,
               "target": "exposed_over_own <= 0.25 (issue 35)"}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -238,8 +263,7 @@ def main(argv=None) -> dict:
     from charts import draw_after_run
 
     draw_after_run(args.out)
-    print(json.dumps({k: result[k] for k in ("median_step_ms", "exposed_ms", "exchange_own_ms",
-                                             "exposed_over_own")}, indent=1))
+    print(json.dumps({k: result[k] for k in ("median_step_ms", "figures")}, indent=1))
     return result
 
 

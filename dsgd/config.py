@@ -28,8 +28,15 @@ class Config:
     (`train()`: steps per actor call), and `worker_exchange` (strategy "ps",
     several workers: False has the driver relay every group of every step;
     True, the default, has the workers exchange by themselves, backup workers
-    included). All are performance switches that never change results.
+    included), and `overlap` (the workers' exchange: send each bucket during
+    the backward pass). All are performance switches that never change results.
     """
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether the workers' exchange sends the gradient during the backward
+        pass: `overlap`, or by default whether the workers compute on GPUs."""
+        return bool(self.gpu) if self.overlap is None else self.overlap
 
     model_creator: Callable[[int, int], Any]
     num_workers: int
@@ -56,6 +63,7 @@ class Config:
     snapshot_interval_s: float | None = constants.DEFAULT_SNAPSHOT_INTERVAL_S
     local: bool = False
     timeline: str | None = None
+    overlap: bool | None = None
 
     def __post_init__(self):
         if not callable(self.model_creator):
@@ -101,6 +109,9 @@ class Config:
             check_picklable("worker_init", self.worker_init, "Ray sends it to every worker")
         _bool("apply_per_group", self.apply_per_group)
         _bool("worker_exchange", self.worker_exchange)
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise TypeError(f"overlap must be True, False or None (True with gpu), got "
+                            f"{self.overlap!r}")
         if self.snapshot_interval_s is not None and (
                 isinstance(self.snapshot_interval_s, bool)
                 or not isinstance(self.snapshot_interval_s, (int, float))

@@ -41,6 +41,20 @@ def test_small_gradients_still_give_every_ps_a_bucket():
     assert len(buckets.groups) == 3 and sorted(buckets.ps_of_group) == [0, 1, 2]
 
 
+def test_overlap_is_on_with_gpus_by_default_and_refuses_a_non_bool():
+    from dsgd.config import Config
+
+    def creator(w, d):
+        return None
+
+    assert not Config(creator, 2, 1, gpu=False).overlaps
+    assert Config(creator, 2, 1, gpu=True).overlaps
+    assert Config(creator, 2, 1, gpu=False, overlap=True).overlaps
+    assert not Config(creator, 2, 1, gpu=True, overlap=False).overlaps
+    with pytest.raises((TypeError, ValueError), match="overlap"):
+        dsgd.DistributedSGD(creator, 2, 1, gpu=False, overlap="yes")
+
+
 # -- on a cluster ------------------------------------------------------------------------
 def keyed(w, d):
     """Adam with a schedule (rate and bias correction read the iteration count);
@@ -52,7 +66,7 @@ def keyed(w, d):
 def shared(tmp_path_factory):
     """2 workers, 2 PS, 100-byte shards (2 buckets, a variable split across them)."""
     with dsgd.DistributedSGD(keyed, 2, 1, gpu=False, grad_shard_bytes=100, num_ps=2,
-                             step_timeout_s=120) as sgd:
+                             step_timeout_s=120, overlap=True) as sgd:
         reset = Reset(sgd, str(tmp_path_factory.mktemp("overlap") / "start"))
         yield sgd, reset, sgd.get_weights()
 

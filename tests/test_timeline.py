@@ -55,7 +55,8 @@ def trace(tmp_path_factory):
     """2 workers, 2 PS, timeline on: STEPS steps of train(); the trace as written."""
     path = str(tmp_path_factory.mktemp("timeline") / "trace.json")
     with dsgd.DistributedSGD(lambda w, d: tiny.StepKeyedModel(w, d, 1, 4), 2, 1, gpu=False,
-                             grad_shard_bytes=128, num_ps=2, timeline=path) as sgd:
+                             grad_shard_bytes=128, num_ps=2, timeline=path,
+                             overlap=True) as sgd:
         summary = sgd.train(STEPS)
         assert sgd.write_timeline() == path
     with open(path) as f:

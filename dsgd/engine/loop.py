@@ -243,7 +243,7 @@ class StepLoop:
             ps_client.enable_timeline(ps, True)
         self.actors.wait([w.join.remote(rank, workers, ps, names, self.topology.layout,
                                         self.config.step_timeout_s, self.config.on_nonfinite,
-                                        need, recording)
+                                        need, recording, self.config.overlaps)
                           for rank, w in enumerate(workers)], workers,
                          "joining the exchange", self.config.step_timeout_s)
         self._joined = key

@@ -146,6 +146,14 @@ class DistributedSGD:
             (dsgd/engine/worker_steps.py; with backup workers PS 0 names each
             step's contributors); False has the driver relay every group of
             every step (dsgd/engine/step.py `ExchangeStep`), for comparison.
+        overlap: (performance switch, never changes results) the workers'
+            exchange without backup workers: True sends the gradient during the
+            backward pass, each bucket of consecutive layers (>= 4 MiB) to its
+            PS as soon as the backward pass has made it, and applies the means
+            as they arrive (docs/architecture.md "One step"); False sends it
+            once the step is computed. None (default): True with `gpu`, False
+            on CPU workers, whose compute would share the cores with the
+            exchange (measured: benchmarks/README.md "Overlap").
         timeline: a file path: write a Chrome trace of the run there (open it in
             https://ui.perfetto.dev or chrome://tracing): per worker each step's
             data, compute, exchange and apply and each group's send, per PS each
@@ -207,7 +215,7 @@ class DistributedSGD:
                  local_steps_per_call: int | None = None,
                  worker_exchange: bool = True,
                  snapshot_interval_s: float | None = constants.DEFAULT_SNAPSHOT_INTERVAL_S,
-                 timeline: str | None = None):
+                 timeline: str | None = None, overlap: bool | None = None):
         self.config = Config(
             model_creator, num_workers, devices_per_worker, gpu, strategy, grad_shard_bytes,
             all_reduce_alg, num_ps, num_cpus_per_worker=num_cpus_per_worker,
@@ -217,7 +225,7 @@ class DistributedSGD:
             worker_init=worker_init, compression=compression, apply_per_group=apply_per_group,
             local_steps_per_call=local_steps_per_call, backup_workers=backup_workers, local=local,
             worker_exchange=worker_exchange, snapshot_interval_s=snapshot_interval_s,
-            timeline=timeline_file.path_from(timeline))
+            timeline=timeline_file.path_from(timeline), overlap=overlap)
         # Starts Ray if it is not running; gpu=None becomes whether the cluster has GPUs.
         self.config = config = self.config.with_gpu(
             resolve_gpu(gpu, num_workers, devices_per_worker))

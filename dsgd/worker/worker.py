@@ -57,9 +57,7 @@ class Worker:
         self._late = False  # backup workers: dropped from the last step (exchange_steps)
         self._recent_metas: dict = {}  # exchange number -> every worker's meta (recent steps)
         self._sendings: dict = {}  # exchange number -> its Sending (this step's and the last)
-        # The workers' exchange sends the gradient during the backward pass
-        # (_overlapped_step); DSGD_OVERLAP=0 sends it after (for measurements).
-        self.overlap = os.environ.get("DSGD_OVERLAP", "1") != "0"
+        self.overlap = False  # send the gradient during the backward pass (join)
         self.fell_back = 0  # buckets this worker averaged itself (their PS died)
         self._metas_kept = 0  # exchange_steps: how many of them to keep at least
         self.replicas = Replicas(model_creator, worker_index, devices_per_worker, gpu,
@@ -186,14 +184,15 @@ class Worker:
 
     def join(self, rank: int, peers: list, ps: list, ps_names: list[str], layout,
              timeout_s: float, on_nonfinite: str, need: int | None = None,
-             timeline_on: bool = False) -> None:
+             timeline_on: bool = False, overlap: bool = False) -> None:
         """Take part in the worker-driven exchange (`exchange_steps`) as worker
         `rank` of `peers` (every worker's handle, in rank order) through the PS
         actors `ps` laid out as `layout`. `need` (backup workers): each step's
         mean is over the first `need` workers to have their gradient (default:
         all). `timeline_on`: record this worker's steps for the timeline
-        (dsgd/comm/timeline.py). The driver calls it after start-up and after
-        every change of workers or PS actors."""
+        (dsgd/comm/timeline.py). `overlap`: send the gradient during the
+        backward pass (`_overlapped_step`; not with backup workers). The driver
+        calls it after start-up and after every change of workers or PS actors."""
         from dsgd import constants
         from dsgd.comm import timeline
         from dsgd.comm.ps_client import PSClient, bucket_layout
@@ -203,6 +202,7 @@ class Worker:
                                    f"worker {self.worker_index}", peers=peers, need=need),
                           layout, on_nonfinite)
         self._buckets = bucket_layout(layout, constants.BUCKET_MIN_BYTES)
+        self.overlap = overlap
         self._sendings.clear()
         self._dead_ps: list[int] = []  # PS actors found dead by a fallback: replaced next
         self._late = False
