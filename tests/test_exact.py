@@ -31,6 +31,9 @@ CASES = {
     "2x2-simple-adam-tree": (2, 2, "simple", "adam", 10_000_000, None, "tree"),
     "2x2-ps-adam-tree-3shards-2ps": (2, 2, "ps", "adam", 100, 2, "tree"),
 }
+# The workers' exchange with the gradient sent during the backward pass (overlap=True;
+# CPU workers send it after the backward pass by default, as the other "ps" cases do).
+OVERLAPPED = {"2x2-ps-adam-tree-3shards-2ps"}
 # train() of one worker runs several steps per actor call (dsgd/engine/loop.py,
 # LocalSteps): 1x2 in calls of 3 here, 1x1 in calls of the default size.
 LOCAL_STEPS_PER_CALL = {"1x2-simple-adam": 3}
@@ -55,7 +58,7 @@ def start(key: str, path: str):
     workers, devices, strategy, optimizer, shard_bytes, num_ps, alg = CASES[key]
     sgd = dsgd.DistributedSGD(tiny.creator(devices, BATCH, optimizer), workers, devices,
                               gpu=False, strategy=strategy, grad_shard_bytes=shard_bytes,
-                              num_ps=num_ps, all_reduce_alg=alg,
+                              num_ps=num_ps, all_reduce_alg=alg, overlap=key in OVERLAPPED,
                               **({"local_steps_per_call": LOCAL_STEPS_PER_CALL[key]}
                                  if key in LOCAL_STEPS_PER_CALL else {}))
     reset = Reset(sgd, path, reset_tiny_steps)
