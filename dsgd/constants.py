@@ -19,6 +19,11 @@ of consecutive shards of at least this many bytes (dsgd/comm/ps_client.py
 `bucket_layout`): one object and one PS call per bucket per worker, so smaller
 shards are merged where Ray's cost per call (about 1 ms on 2 cores) would
 exceed copying them."""
+APPLY_SPLIT_MIN_PENDING = 0.25
+"""The overlapped exchange applies the buckets already summed when the step is
+decided in one update and the rest in a second only when the rest is at least
+this share of the gradient's bytes; else it waits and applies once (a second
+update costs a compiled call, and on a CPU it competes with the PS's last sum)."""
 # Seconds a worker waits for a PS mean beyond the driver's own deadline, so that a
 # late PS surfaces as the driver's StepTimeoutError.
 WORKER_WAIT_MARGIN_S = 5.0

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from dsgd import constants
 from dsgd.comm import store
 from dsgd.worker import checkpoint_files
 from dsgd.errors import DsgdError
@@ -58,6 +59,9 @@ class Worker:
         self._recent_metas: dict = {}  # exchange number -> every worker's meta (recent steps)
         self._sendings: dict = {}  # exchange number -> its Sending (this step's and the last)
         self.overlap = False  # send the gradient during the backward pass (join)
+        # Apply the buckets in at the decision before the rest only when the rest is at
+        # least this share of the gradient's bytes (constants.APPLY_SPLIT_MIN_PENDING).
+        self.split_apply = constants.APPLY_SPLIT_MIN_PENDING
         self.fell_back = 0  # buckets this worker averaged itself (their PS died)
         self._metas_kept = 0  # exchange_steps: how many of them to keep at least
         self.replicas = Replicas(model_creator, worker_index, devices_per_worker, gpu,
@@ -469,7 +473,9 @@ class Worker:
         step = sending.seq & ((1 << 32) - 1)
         count = len(buckets.groups)
         ready = sending.ready_prefix()
-        if self.replicas.per_group_blocker is not None or ready in (0, count):
+        nbytes = [sum(self.replicas.plan.shards[j].nbytes for j in g) for g in buckets.groups]
+        pending = sum(nbytes[ready:]) / max(1, sum(nbytes))
+        if self.replicas.per_group_blocker is not None or ready == 0 or pending < self.split_apply:
             stages = [tuple(range(count))]  # one update of everything
         else:  # (two updates: more would cost more than they hide, on a CPU at least)
             stages = [tuple(range(ready)), tuple(range(ready, count))]
