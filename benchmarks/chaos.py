@@ -178,10 +178,13 @@ class Chaos(threading.Thread):
 
 
 # -- the phases ------------------------------------------------------------------------------------
+OVERLAP = [False]  # --overlap: the engine sends the gradient during the backward pass
+
+
 def engine_sgd():
     return dsgd.DistributedSGD(creator, 2, 1, gpu=False, strategy="ps", grad_shard_bytes=4096,
                                num_ps=2, step_timeout_s=STEP_TIMEOUT_S, replace_hung=True,
-                               max_failures=1000)
+                               max_failures=1000, overlap=OVERLAP[0])
 
 
 def recovered_in(chaos: Chaos | None, phase: str) -> int:
@@ -285,8 +288,12 @@ def main() -> None:
                         help="only the DistributedSGD phase, for all of --minutes (with "
                              "--regardless on this 2-core machine the Trainer phase's first "
                              "steps never complete: see benchmarks/README.md)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="the engine phase with overlap=True (the gradient sent during "
+                             "the backward pass, the default with gpu=True)")
     parser.add_argument("--out", default="benchmarks/results/chaos.json")
     args = parser.parse_args()
+    OVERLAP[0] = args.overlap
 
     import ray
 
@@ -344,7 +351,7 @@ def main() -> None:
                     "max_weight_diff": max_diff(trainer["weights"], trainer_ref["weights"]),
                     "last": trainer["last"], "uninterrupted_last": trainer_ref["last"],
                     "recoveries": len(trainer["failures"])},
-        "engine_only": args.engine_only,
+        "engine_only": args.engine_only, "overlap": args.overlap,
         "recovery_s": summary(recovery),
         "fault_to_recovered_s": summary(after),
         "fault_log": faults,
