@@ -19,6 +19,11 @@ of consecutive shards of at least this many bytes (dsgd/comm/ps_client.py
 `bucket_layout`): one object and one PS call per bucket per worker, so smaller
 shards are merged where Ray's cost per call (about 1 ms on 2 cores) would
 exceed copying them."""
+MAX_BUCKETS_PER_PS = 4
+"""At most this many buckets per PS actor and step (bucket_layout merges shards
+into fewer, larger buckets beyond it): each bucket's call waits in one of the
+PS's threads until every worker's part is in, and the PS has
+(MAX_BUCKETS_PER_PS + 2) x workers + 8 of them (param_server.rendezvous_concurrency)."""
 APPLY_SPLIT_MIN_PENDING = 0.25
 """The overlapped exchange applies the buckets already summed when the step is
 decided in one update and the rest in a second only when the rest is at least

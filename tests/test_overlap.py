@@ -35,6 +35,19 @@ def test_buckets_are_consecutive_shards_in_backward_order_spread_over_the_ps():
     assert sorted(j for b in buckets.groups for j in b) == list(range(plan.num_shards))
 
 
+def test_no_more_buckets_per_ps_than_its_threads_take():
+    from dsgd import constants
+    from dsgd.comm.param_server import rendezvous_concurrency
+
+    plan = plan_shards([(256, 256)] * 40, ["float32"] * 40, 256 * 256 * 4)  # 40 shards
+    buckets = bucket_layout(exchange_layout(plan, 2), 256 * 256 * 4)
+    per_ps = [buckets.ps_of_group.count(p) for p in (0, 1)]
+    assert max(per_ps) <= constants.MAX_BUCKETS_PER_PS and sum(per_ps) == len(buckets.groups)
+    # Every worker's calls of one step (each bucket, and the metas) wait at once.
+    for world in (2, 8, 64):
+        assert rendezvous_concurrency(world) >= world * (constants.MAX_BUCKETS_PER_PS + 1) + 4
+
+
 def test_small_gradients_still_give_every_ps_a_bucket():
     plan = plan_shards([(10,)] * 6, ["float32"] * 6, 40)  # 6 shards of 40 bytes
     buckets = bucket_layout(exchange_layout(plan, 3), 4 * 2**20)

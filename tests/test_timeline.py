@@ -132,5 +132,6 @@ def test_a_group_leaves_from_inside_the_step_and_is_summed_before_it_is_received
                 received = next(e for e in rows[w] if e["name"] == f"receive group {g}"
                                 and e["args"]["step"] == step)
                 # Same machine clock; 2 ms of slack for the clock reads around the spans.
-                assert sent[0]["ts"] + sent[0]["dur"] - 2000 <= s["ts"] + s["dur"]
+                # (The send span ends after the call went out, possibly after the sum.)
+                assert sent[0]["ts"] - 2000 <= s["ts"] + s["dur"]
                 assert s["ts"] + s["dur"] <= received["ts"] + received["dur"] + 2000

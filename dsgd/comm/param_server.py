@@ -38,10 +38,14 @@ ATTEMPT_SHIFT = 32
 
 
 def rendezvous_concurrency(world: int) -> int:
-    """`max_concurrency` of a PS serving `world` Ray Train workers: each worker
-    has at most one call of an exchange waiting on it, plus the next exchange's
-    calls of workers that already left, plus liveness probes."""
-    return max(16, 4 * world)
+    """`max_concurrency` of a PS serving `world` workers: each worker has at most
+    `constants.MAX_BUCKETS_PER_PS` calls of a step waiting on it (the overlapped
+    exchange sends every bucket without waiting; one group otherwise) plus its
+    metas (PS 0), plus the next exchange's calls of workers that already left,
+    plus the driver's probes (missing_ranks, waiting, abandon)."""
+    from dsgd import constants
+
+    return max(16, (constants.MAX_BUCKETS_PER_PS + 2) * world + 8)
 
 
 class ParameterServer:
@@ -242,9 +246,11 @@ class ParameterServer:
         """{exchange number: the ranks not arrived} of every reduce some worker
         waits in now (for the driver's stall reports)."""
         with self._arrivals:
-            return {key[1]: sorted(set(m.needed) - set(m.parts))
-                    for key, m in self._pending.items()
-                    if key[0] == "reduce" and not m.done and m.parts}
+            missing: dict = {}
+            for key, m in self._pending.items():  # (every bucket of a step: one entry)
+                if key[0] == "reduce" and not m.done and m.parts:
+                    missing.setdefault(key[1], set()).update(set(m.needed) - set(m.parts))
+            return {seq: sorted(ranks) for seq, ranks in missing.items()}
 
     @ray.method(concurrency_group=RENDEZVOUS)
     def abandon(self, attempt: int) -> None:

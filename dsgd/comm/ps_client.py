@@ -371,6 +371,13 @@ class Sending:
             if m is not None:
                 self._means[g] = m
 
+    def release_means(self) -> None:
+        """Drop the references to the PS actors' results (the step is applied), so
+        the store frees the means now; this worker's parts stay (a peer's
+        fallback may still ask for them)."""
+        self.answers = [None] * len(self.answers)
+        self._means.clear()
+
     def ready_prefix(self) -> int:
         """How many groups, from group 0 on, have their means here already (the
         rest are still being summed or sent), after a `collect`. Does not block."""
@@ -434,13 +441,18 @@ def bucket_layout(layout: ExchangeLayout, min_bytes: int) -> ExchangeLayout:
     shards (so of consecutive variables, which the backward pass makes at about
     the same time; the plan packs the last variables first, so bucket 0 is the
     first the backward pass makes), each at least `min_bytes` or the gradient's share of one
-    PS, whichever is less (but the last: so that every PS gets work), each
+    PS, whichever is less (but the last: so that every PS gets work), and never more than
+    `constants.MAX_BUCKETS_PER_PS` per PS, each
     bucket on the PS least loaded by the buckets before it (ties: the lower
     index), so that buckets made one after the other in the backward pass go
     to different PS actors. The PS actors are `layout`'s."""
+    from dsgd import constants
+
     shards = layout.plan.shards
     num_ps = max(1, layout.num_ps)
-    min_bytes = min(min_bytes, -(-sum(s.nbytes for s in shards) // num_ps))
+    total = sum(s.nbytes for s in shards)
+    min_bytes = max(min(min_bytes, -(-total // num_ps)),  # (no more than the PS's threads take)
+                    -(-total // (constants.MAX_BUCKETS_PER_PS * num_ps)))
     buckets, current, size = [], [], 0
     for j, shard in enumerate(shards):
         current.append(j)

@@ -257,9 +257,13 @@ class Worker:
             return self._exchange_steps(datas, seqs, run, compact, reporter)
         finally:
             # This call's last step's parts (kept for a peer's fallback) are not kept
-            # beyond the call: the store drains between calls. A peer still averaging
-            # that step's bucket of a PS that died then exits (recovered as a death).
-            self._sendings.clear()
+            # beyond the call, so the store drains between calls; but after a fallback
+            # (a PS died) they are kept until the driver has replaced it (`join`): the
+            # peers may still be averaging that bucket. (A peer that falls back when
+            # this worker had read the mean before the PS died finds them gone; if it
+            # had begun applying it exits, recovered as a death.)
+            if not self._dead_ps:
+                self._sendings.clear()
 
     def _exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool,
                         reporter: bool) -> list[dict] | dict:
@@ -446,6 +450,7 @@ class Worker:
             apply_s = self._apply_arriving(sending, buckets)
             self.applied_steps += 1
             self._freeze_gc_once()
+        sending.release_means()
         if sending.fell_back:
             self.fell_back += len(sending.fell_back)
             self._dead_ps = sorted({buckets.ps_of_group[g] for g in sending.fell_back})
