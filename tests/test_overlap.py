@@ -84,7 +84,13 @@ def shared(tmp_path_factory):
         yield sgd, reset, sgd.get_weights()
 
 
-def _ready_says(ready: int):
+def _ready_says(ready):
+    """(`ready`: an int, or a function of the worker's index)"""
+    return lambda worker: _ready_patch(ready(worker.worker_index) if callable(ready)
+                                       else ready)(worker)
+
+
+def _ready_patch(ready: int):
     """Patch, in a worker's process, `Sending.ready_prefix` to say `ready` (how
     many buckets are in when the step is decided: 1 of 2 applies the step in two
     updates, bucket 1's mean read between them) whatever the timing, and count
@@ -180,6 +186,24 @@ def _gone(pid: int) -> bool:
             return any(line.startswith("State:") and "Z" in line for line in f)
     except FileNotFoundError:
         return True
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_one_worker_applying_in_two_updates_and_one_at_once_stay_bit_identical(shared):
+    """Worker 0 applies each step in two updates, worker 1 at once: the replicas
+    agree bit for bit after every step (applying in parts is exactly one apply)."""
+    sgd, reset, _ = shared
+    reset()
+    sgd.foreach_worker(_ready_says(lambda index: 1 if index == 0 else 0))
+    try:
+        for _ in range(STEPS):
+            sgd.step()
+            assert_replicas_identical(sgd)
+        applies = sgd.foreach_worker(lambda w: w.applies)
+    finally:
+        sgd.foreach_worker(_unpatch)
+    assert applies == [{"whole": 0, "part": 2 * STEPS}, {"whole": STEPS, "part": 0}]
 
 
 @pytest.mark.cluster
