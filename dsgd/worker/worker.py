@@ -218,7 +218,10 @@ class Worker:
         averaged across local replicas, goes to the PS actors group by group with
         this worker's meta (dsgd/comm/commit.py); every worker reads the same
         means and metas back, decides the step alike (apply, skip, halt, epoch
-        end) and applies the means before the next step. `seqs[i]` numbers step
+        end) and applies the means before the next step. With `overlap` (`join`)
+        each bucket leaves during the backward pass instead, the metas go to PS
+        0 once the step is computed, and the means are applied as they arrive
+        (`_overlapped_step`). `seqs[i]` numbers step
         i's exchange (the same on every worker); `datas` None: every step's
         batches from get_batch.
 
