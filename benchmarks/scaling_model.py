@@ -29,7 +29,7 @@ What the model follows (read from the code, not assumed):
   the cost of one actor call, an estimate) plus one round trip (step_s).
 
 - The overlapped exchange ("overlapped", the default since issue 35): each
-  bucket (consecutive shards, `comm/ps_client.py` `bucket_layout`) leaves from
+  bucket (consecutive shards, `comm/sharding.py` `bucket_layout`) leaves from
   inside the compiled step as soon as the backward pass has made it, so its
   copy to host, write, upload, sum and download run during the rest of the
   backward pass. The model credits it as: the exchange phases take
@@ -261,7 +261,7 @@ def groups_for(shapes, shard_bytes: int, num_ps: int | None, workers: int,
     layout = exchange_layout(plan, asked)
     sizes = [sum(plan.shards[j].nbytes for j in g) for g in layout.groups]
     from dsgd import constants
-    from dsgd.comm.ps_client import bucket_layout
+    from dsgd.comm.sharding import bucket_layout
 
     buckets = bucket_layout(layout, constants.BUCKET_MIN_BYTES).groups
     return {"shards": plan.num_shards, "num_ps": asked, "busy_ps": len(layout.groups),

@@ -15,7 +15,7 @@ DEFAULT_GRAD_SHARD_BYTES = 10_000_000
 """Default `grad_shard_bytes`: the largest gradient shard, in bytes."""
 BUCKET_MIN_BYTES = 4 * 2**20
 """The workers' exchange sends the gradient during the backward pass in buckets
-of consecutive shards of at least this many bytes (dsgd/comm/ps_client.py
+of consecutive shards of at least this many bytes (dsgd/comm/sharding.py
 `bucket_layout`): one object and one PS call per bucket per worker, so smaller
 shards are merged where Ray's cost per call (about 1 ms on 2 cores) would
 exceed copying them."""

@@ -14,8 +14,7 @@ import pytest
 import ray
 
 import dsgd
-from dsgd.comm.ps_client import bucket_layout
-from dsgd.comm.sharding import exchange_layout, plan_shards
+from dsgd.comm.sharding import bucket_layout, exchange_layout, plan_shards
 import tiny
 from helpers import Reset, assert_replicas_identical
 

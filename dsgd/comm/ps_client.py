@@ -116,7 +116,7 @@ class PSClient:
         """One engine step's exchange, numbered `seq`, sent group by group while the
         step is computed (`Sending`: send each group as soon as it exists, then
         the metas, then read the means as they arrive). `layout`'s groups are
-        the buckets of `bucket_layout`."""
+        the buckets of `sharding.bucket_layout`."""
         return Sending(self, layout, seq, label)
 
     # -- backup workers: the first `need` of the workers make a step --------------------------
@@ -296,8 +296,9 @@ class Sending:
 
     Buffer ownership: the arrays `mean` returns are read-only views of the
     store object the PS put (kept alive by them); this worker's own part
-    objects stay alive while the `Sending` is kept (the worker keeps its last
-    two steps')."""
+    objects stay alive while the `Sending` is kept (the worker keeps it until
+    every worker has applied the step: the next step's metas, or the end of
+    its call)."""
 
     def __init__(self, client: PSClient, layout: ExchangeLayout, seq: int, label: str):
         self.client, self.layout, self.seq, self.label = client, layout, seq, label
@@ -434,40 +435,6 @@ class Sending:
             raise RuntimeError(f"a worker no longer holds its part of group {g}")
         parts = ray.get([r[0] for r in refs], timeout=client.timeout_s)
         return group_means(self.layout.shards(g), parts)
-
-
-def bucket_layout(layout: ExchangeLayout, min_bytes: int) -> ExchangeLayout:
-    """The groups of the overlapped exchange (`Sending`): buckets of consecutive
-    shards (so of consecutive variables, which the backward pass makes at about
-    the same time; the plan packs the last variables first, so bucket 0 is the
-    first the backward pass makes), each at least `min_bytes` or the gradient's share of one
-    PS, whichever is less (but the last: so that every PS gets work), and never more than
-    `constants.MAX_BUCKETS_PER_PS` per PS, each
-    bucket on the PS least loaded by the buckets before it (ties: the lower
-    index), so that buckets made one after the other in the backward pass go
-    to different PS actors. The PS actors are `layout`'s."""
-    from dsgd import constants
-
-    shards = layout.plan.shards
-    num_ps = max(1, layout.num_ps)
-    total = sum(s.nbytes for s in shards)
-    min_bytes = max(min(min_bytes, -(-total // num_ps)),  # (no more than the PS's threads take)
-                    -(-total // (constants.MAX_BUCKETS_PER_PS * num_ps)))
-    buckets, current, size = [], [], 0
-    for j, shard in enumerate(shards):
-        current.append(j)
-        size += shard.nbytes
-        if size >= min_bytes:
-            buckets.append(tuple(current))
-            current, size = [], 0
-    if current:
-        buckets.append(tuple(current))
-    load, owner = [0] * num_ps, [0] * len(buckets)
-    for b in range(len(buckets)):  # the order the backward pass makes them
-        ps = min(range(num_ps), key=lambda p: (load[p], p))
-        owner[b] = ps
-        load[ps] += sum(shards[j].nbytes for j in buckets[b])
-    return ExchangeLayout(layout.plan, tuple(buckets), tuple(owner))
 
 
 def died(what: str, ps: Sequence[int] = ()) -> Exception:

@@ -280,3 +280,37 @@ def exchange_layout(plan: ShardPlan, num_ps: int) -> ExchangeLayout:
     owner = assign_shards([s.nbytes for s in plan.shards], num_ps)
     groups = group_shards(owner)
     return ExchangeLayout(plan, groups, tuple(owner[group[0]] for group in groups))
+
+
+def bucket_layout(layout: ExchangeLayout, min_bytes: int) -> ExchangeLayout:
+    """The groups of the overlapped exchange (`Sending`): buckets of consecutive
+    shards (so of consecutive variables, which the backward pass makes at about
+    the same time; the plan packs the last variables first, so bucket 0 is the
+    first the backward pass makes), each at least `min_bytes` or the gradient's share of one
+    PS, whichever is less (but the last: so that every PS gets work), and never more than
+    `constants.MAX_BUCKETS_PER_PS` per PS, each
+    bucket on the PS least loaded by the buckets before it (ties: the lower
+    index), so that buckets made one after the other in the backward pass go
+    to different PS actors. The PS actors are `layout`'s."""
+    from dsgd import constants
+
+    shards = layout.plan.shards
+    num_ps = max(1, layout.num_ps)
+    total = sum(s.nbytes for s in shards)
+    min_bytes = max(min(min_bytes, -(-total // num_ps)),  # (no more than the PS's threads take)
+                    -(-total // (constants.MAX_BUCKETS_PER_PS * num_ps)))
+    buckets, current, size = [], [], 0
+    for j, shard in enumerate(shards):
+        current.append(j)
+        size += shard.nbytes
+        if size >= min_bytes:
+            buckets.append(tuple(current))
+            current, size = [], 0
+    if current:
+        buckets.append(tuple(current))
+    load, owner = [0] * num_ps, [0] * len(buckets)
+    for b in range(len(buckets)):  # the order the backward pass makes them
+        ps = min(range(num_ps), key=lambda p: (load[p], p))
+        owner[b] = ps
+        load[ps] += sum(shards[j].nbytes for j in buckets[b])
+    return ExchangeLayout(layout.plan, tuple(buckets), tuple(owner))

@@ -57,7 +57,8 @@ class Worker:
         self._exchange = None  # (PSClient, layout, on_nonfinite) after join()
         self._late = False  # backup workers: dropped from the last step (exchange_steps)
         self._recent_metas: dict = {}  # exchange number -> every worker's meta (recent steps)
-        self._sendings: dict = {}  # exchange number -> its Sending (this step's and the last)
+        self._sendings: dict = {}  # exchange number -> its Sending (this step's; the last's until
+        # every worker has applied it)
         self.overlap = False  # send the gradient during the backward pass (join)
         # Apply the buckets in at the decision before the rest only when the rest is at
         # least this share of the gradient's bytes (constants.APPLY_SPLIT_MIN_PENDING).
@@ -199,7 +200,8 @@ class Worker:
         calls it after start-up and after every change of workers or PS actors."""
         from dsgd import constants
         from dsgd.comm import timeline
-        from dsgd.comm.ps_client import PSClient, bucket_layout
+        from dsgd.comm.ps_client import PSClient
+        from dsgd.comm.sharding import bucket_layout
 
         timeline.enable(f"worker {self.worker_index}", timeline_on)
         self._exchange = (PSClient(ps, ps_names, rank, len(peers), timeout_s,
