@@ -372,6 +372,31 @@ class Sending:
             if m is not None:
                 self._means[g] = m
 
+    def read(self, groups: Sequence[int]) -> None:
+        """Read the means of `groups` in parallel: wait for every group's answer,
+        then pull every mean at once (kept for `mean`). Read one after the
+        other, every worker would pull group 0's mean from one PS's node, then
+        group 1's from the next: one PS's NIC at a time serving every worker.
+        A group whose answer or mean fails is left to `mean` (which names a
+        dead PS or averages the group from the workers' parts). Blocks, at most
+        the client's `timeout_s`; a dead peer or PS ends the wait at once."""
+        import ray
+
+        client = self.client
+        todo = [g for g in groups if g not in self._means and self.answers[g] is not None]
+        if len(todo) < 2:
+            return
+        try:
+            answers = client._wait([self.answers[g] for g in todo],
+                                   [self.layout.ps_of_group[g] for g in todo], self.seq,
+                                   self.label)
+            means = ray.get([a[0] for a in answers], timeout=max(1.0, client.timeout_s))
+        except Exception:  # noqa: BLE001 - each failed group is `mean`'s to name or average
+            return
+        for g, m in zip(todo, means):
+            if m is not None:
+                self._means[g] = m
+
     def release_means(self) -> None:
         """Drop the references to the PS actors' results (the step is applied), so
         the store frees the means now; this worker's parts stay (a peer's

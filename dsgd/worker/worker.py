@@ -494,8 +494,11 @@ class Worker:
         apply_s, begun = 0.0, False
         try:
             for k, stage in enumerate(stages):
+                reading = time.perf_counter()
+                sending.read(stage)  # in parallel (see Sending.read); then each from there
                 for b in stage:
-                    waited = time.perf_counter()
+                    # (the stage's first group's receive span holds the parallel read)
+                    waited = reading if b == stage[0] else time.perf_counter()
                     means.update(zip(buckets.groups[b], sending.mean(b)))
                     if tl.on:
                         to_wall = time.time() - time.perf_counter()
