@@ -53,6 +53,17 @@ def test_small_gradients_still_give_every_ps_a_bucket():
     assert len(buckets.groups) == 3 and sorted(buckets.ps_of_group) == [0, 1, 2]
 
 
+def test_shards_of_one_ps_share_each_stay_one_bucket_per_ps():
+    # shard_bytes = G / num_ps (the layout for one PS per node): the shards come out a
+    # little under one PS's share; pairing them would leave half of the PS idle.
+    shapes = [(100_000 + 37 * k,) for k in range(8)]  # large tensors, cut at byte ranges
+    total = 4 * sum(s[0] for s in shapes)
+    plan = plan_shards(shapes, ["float32"] * len(shapes), -(-total // 16))
+    buckets = bucket_layout(exchange_layout(plan, 16), 4 * 2**20)
+    assert len(set(buckets.ps_of_group)) == 16
+    assert len(buckets.groups) == 16  # (the last holds the 256-byte tail shard too)
+
+
 def test_overlap_is_on_with_gpus_by_default_and_refuses_a_non_bool():
     from dsgd.config import Config
 

@@ -303,7 +303,12 @@ def bucket_layout(layout: ExchangeLayout, min_bytes: int) -> ExchangeLayout:
     for j, shard in enumerate(shards):
         current.append(j)
         size += shard.nbytes
-        if size >= min_bytes:
+        following = shards[j + 1].nbytes if j + 1 < len(shards) else 0
+        # Closed at min_bytes, or before a shard that would take it past 1.5 x min_bytes:
+        # shards of about one PS's share each (shard_bytes = G / num_ps, a little
+        # under min_bytes once padded and cut) stay one per bucket and per PS,
+        # rather than pairing up on half of the PS actors.
+        if size >= min_bytes or size + following > 1.5 * min_bytes:
             buckets.append(tuple(current))
             current, size = [], 0
     if current:
