@@ -1,0 +1,219 @@
+"""Predicted scaling of ResNet-50 and ResNet-101 at 8, 32, 64 and 256 workers: dsgd
+(as the code does it), ring allreduce (Horovod) and BytePS-style PS, from one
+simulator (sim.py) on the same nodes, links and compute profile.
+
+    python benchmarks/simulate/predict.py [--calibration benchmarks/results/simulate_calibration.json]
+                                          [--out benchmarks/results/simulate_predictions.json]
+
+Grid: ResNet-50 and ResNet-101; V100 (FP32) and A100 (AMP); 1 and 8 GPUs per
+worker (one worker per node); 25 and 100 Gb/s NICs; 8, 32, 64 and 256 workers
+(32 x 8 GPUs: 256 GPUs).
+dsgd runs in two layouts: its default (10 MB shards, one PS per worker node up
+to the shard count) and one PS per node with shards of G/N bytes (what
+docs/scaling.md recommends at scale); the table gives both and the chart the
+better. BytePS gets partitions of min(4 MB, G/N) (its 4 MB default, smaller where
+N servers need more partitions than that makes); ring allreduce Horovod's
+defaults. Efficiency = one device's compute time / the step time (weak
+scaling: the same batch per device), so 8 GPUs per worker pay their NVLink
+mean too. Also writes the chart (results/simulate_predictions.png) and the
+place of Ray's 2018 DistributedSGD benchmark (ResNet-101, 4 V100 per worker,
+25 Gb/s: anchors.md).
+
+dsgd's software costs (Ray's per-object and per-call costs, the PS kernel) are
+the calibration measured on the 2-core dev VM (calibrate.py); the GPU, PCIe,
+NVLink and NIC figures are published or assumed (docs/scaling.md lists them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import profiles  # noqa: E402
+import sim  # noqa: E402
+from calibrate import RESULTS, costs_from  # noqa: E402
+
+GBIT = 1e9 / 8
+WORKERS = (8, 32, 64, 256)
+ALGORITHMS = ("dsgd", "dsgd, 1 PS/node", "ring", "byteps")
+
+
+def run_grid(costs: sim.Costs, quick: bool = False) -> list[dict]:
+    rows = []
+    models = ("resnet50",) if quick else ("resnet50", "resnet101")
+    for model in models:
+        for gpu in ("V100", "A100"):
+            w, source = profiles.gpu_workload(model, gpu)
+            for devices in (1, 8):
+                for gbps in (25, 100):
+                    hw = sim.Hardware(link_bw=gbps * GBIT, devices=devices)
+                    for n in WORKERS:
+                        row = {"model": model, "gpu": gpu, "devices": devices, "link_gbps": gbps,
+                               "workers": n, "gpus": n * devices, "compute_s": w.compute_s,
+                               "compute_source": source}
+                        per_node = max(64, -(-w.grad_bytes // n))
+                        results = {
+                            "dsgd": sim.simulate("dsgd", w, hw, costs, n),
+                            "dsgd, 1 PS/node": sim.simulate("dsgd", w, hw, costs, n,
+                                                            shard_bytes=per_node, num_ps=n),
+                            "ring": sim.simulate("ring", w, hw, None, n),
+                            "byteps": sim.simulate("byteps", w, hw, None, n, params=sim.BytePSParams(
+                                partition_bytes=min(4_096_000, per_node))),
+                        }
+                        for name, r in results.items():
+                            row[name] = {"step_s": r["step_s"],
+                                         "efficiency": w.compute_s / r["step_s"],
+                                         **{k: v for k, v in r.items()
+                                            if k in ("groups", "num_ps", "worker0_s", "buffers",
+                                                     "partitions")}}
+                        rows.append(row)
+                        print(f"{model} {gpu} x{devices} {gbps} Gb/s N={n}: " + ", ".join(
+                            f"{a} {100 * row[a]['efficiency']:.0f} %" for a in ALGORITHMS),
+                            flush=True)
+    return rows
+
+
+def seed_benchmark(costs: sim.Costs) -> dict:
+    """Ray's 2018 DistributedSGD benchmark setup: ResNet-101, batch 64 per V100,
+    4 GPUs per worker, 25 Gb/s; 16 GPUs (anchors.md: 1,712 img/s, 218 on one GPU)."""
+    w, source = profiles.gpu_workload("resnet101", "V100")
+    hw = sim.Hardware(link_bw=25 * GBIT, devices=4)
+    out = {"published_img_s_16_gpus": 1712, "published_img_s_1_gpu": 218,
+           "batch_per_gpu": 64, "compute_s": w.compute_s, "compute_source": source}
+    for name, r in (("dsgd", sim.simulate("dsgd", w, hw, costs, 4)),
+                    ("dsgd, 1 PS/node", sim.simulate("dsgd", w, hw, costs, 4,
+                                                     shard_bytes=-(-w.grad_bytes // 4), num_ps=4)),
+                    ("ring", sim.simulate("ring", w, hw, None, 4)),
+                    ("byteps", sim.simulate("byteps", w, hw, None, 4))):
+        out[name] = {"step_s": r["step_s"], "img_s": 16 * 64 / r["step_s"],
+                     "efficiency": w.compute_s / r["step_s"]}
+    return out
+
+
+def ablation(costs: sim.Costs) -> list[dict]:
+    """Which term stops dsgd: ResNet-50, V100, 25 Gb/s, one GPU per worker, one PS
+    per node, each cost removed on its own (and all together), at 64 and 256
+    workers; ring allreduce beside it."""
+    w, _ = profiles.gpu_workload("resnet50", "V100")
+    hw = sim.Hardware(link_bw=25 * GBIT)
+    variants = [
+        ("as built", {}, {}, {}),
+        ("PS calls free (c_call = 0)", {"call_s": 0.0}, {}, {}),
+        ("pulls free (l_pull = 0)", {"pull_s": 0.0}, {}, {}),
+        ("puts free (c_put = 0, B_put = inf)", {"put_s": 0.0, "put_bw": float("inf")}, {}, {}),
+        ("PS sum 4x faster, no fresh-page cost", {"sum_bw": 4 * costs.sum_bw, "fresh_bw": 0.0},
+         {}, {}),
+        ("means pulled as soon as summed (prefetch)", {}, {}, {"prefetch": True}),
+        ("no PCIe staging (GPU-direct)", {}, {"pcie_bw": float("inf")}, {}),
+    ]
+    everything = ("all of the above", {k: v for _, c, _, _ in variants for k, v in c.items()},
+                  {"pcie_bw": float("inf")}, {"prefetch": True})
+    rows = []
+    for n in (64, 256):
+        per_node = -(-w.grad_bytes // n)
+        ring = sim.simulate("ring", w, hw, None, n)["step_s"]
+        for name, c, h, o in variants + [everything]:
+            r = sim.simulate("dsgd", w, dataclasses.replace(hw, **h),
+                             dataclasses.replace(costs, **c), n, shard_bytes=per_node,
+                             num_ps=n, **o)
+            rows.append({"workers": n, "variant": name, "step_s": r["step_s"],
+                         "efficiency": w.compute_s / r["step_s"], "worker0_s": r["worker0_s"],
+                         "ring_efficiency": w.compute_s / ring})
+            print(f"ablation N={n}: {name}: {100 * w.compute_s / r['step_s']:.0f} %", flush=True)
+    return rows
+
+
+def ablation_markdown(rows: list[dict]) -> str:
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    by = {(r["workers"], r["variant"]): r for r in rows}
+    head = ("| dsgd, 1 PS/node | 64 workers | 256 workers |\n|---|---:|---:|\n")
+    lines = [f"| {v} | {100 * by[(64, v)]['efficiency']:.0f} % "
+             f"| {100 * by[(256, v)]['efficiency']:.0f} % |" for v in variants]
+    lines.append(f"| ring allreduce, for reference | {100 * by[(64, variants[0])]['ring_efficiency']:.0f} % "
+                 f"| {100 * by[(256, variants[0])]['ring_efficiency']:.0f} % |")
+    return head + "\n".join(lines)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| model | GPU | GPUs/worker | link | workers | dsgd default | dsgd, 1 PS/node "
+            "| ring (Horovod) | BytePS |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
+    lines = []
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['gpu']} | {r['devices']} | {r['link_gbps']} Gb/s "
+                     f"| {r['workers']} | " + " | ".join(
+                         f"{100 * r[a]['efficiency']:.0f} %" for a in ALGORITHMS) + " |")
+    return head + "\n".join(lines)
+
+
+def chart(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, devices in zip(axes, (1, 8)):
+        sel = [r for r in rows if r["model"] == "resnet50" and r["gpu"] == "V100"
+               and r["link_gbps"] == 25 and r["devices"] == devices]
+        xs = [r["workers"] for r in sel]
+        best = [100 * max(r["dsgd"]["efficiency"], r["dsgd, 1 PS/node"]["efficiency"])
+                for r in sel]
+        ax.plot(xs, best, "o-", label="dsgd (better layout)")
+        ax.plot(xs, [100 * r["dsgd"]["efficiency"] for r in sel], "o:", label="dsgd default")
+        ax.plot(xs, [100 * r["ring"]["efficiency"] for r in sel], "s-", label="ring allreduce")
+        ax.plot(xs, [100 * r["byteps"]["efficiency"] for r in sel], "^-", label="BytePS-style PS")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("workers (one per node)")
+        ax.set_title(f"ResNet-50, V100, 25 Gb/s, {devices} GPU{'s' if devices > 1 else ''}/worker")
+        ax.axhline(90, color="grey", lw=0.5)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("scaling efficiency (%)")
+    axes[0].set_ylim(0, 105)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Simulated (benchmarks/simulate): software costs from the 2-core dev VM")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calibration", default=os.path.join(RESULTS, "simulate_calibration.json"))
+    p.add_argument("--out", default=os.path.join(RESULTS, "simulate_predictions.json"))
+    p.add_argument("--quick", action="store_true", help="ResNet-50 only")
+    args = p.parse_args(argv)
+    with open(args.calibration) as f:
+        cal = json.load(f)
+    costs = costs_from(cal, apply_s=1e-3, apply_bw=0.0)  # GPU apply: PCIe + HBM in sim
+    started = time.perf_counter()
+    rows = run_grid(costs, args.quick)
+    seed = seed_benchmark(costs)
+    ablated = ablation(costs)
+    table = markdown(rows)
+    print(table)
+    print(ablation_markdown(ablated))
+    print(json.dumps(seed, indent=1))
+    result = {"benchmark": "simulate_predictions", "calibration": os.path.relpath(
+        args.calibration, os.path.dirname(RESULTS)), "costs": dataclasses.asdict(costs),
+        "hardware_defaults": dataclasses.asdict(sim.Hardware(link_bw=25 * GBIT)),
+        "ring": dataclasses.asdict(sim.RingParams()),
+        "byteps": dataclasses.asdict(sim.BytePSParams()),
+        "rows": rows, "seed_benchmark": seed, "table_markdown": table,
+        "ablation": ablated, "ablation_markdown": ablation_markdown(ablated),
+        "wall_s": time.perf_counter() - started}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    chart(rows, os.path.splitext(args.out)[0] + ".png")
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,651 @@
+"""A discrete-event simulator of one synchronous data-parallel step on many nodes:
+dsgd's exchange as the code does it, ring allreduce (Horovod) and BytePS-style
+parameter servers, on the same nodes, links and compute profile.
+
+    from sim import Hardware, Costs, Workload, simulate
+    t = simulate("dsgd", workload, hardware, costs, workers=64)   # seconds per step
+
+What is simulated (read from the code, `dsgd/worker/worker.py` and
+`dsgd/comm/ps_client.py`, not assumed):
+
+- **Nodes and links.** One worker per node (with D devices), PS j on node
+  j mod N (`param_server.ps_nodes`). Every node has a NIC with one link per
+  direction (B bytes/s each, latency l). A transfer of S bytes from node a to b
+  goes through a's uplink and b's downlink, each a FIFO server (cut-through: it
+  ends at max(up end, down start + S/B)); on one node it costs nothing.
+- **CPU.** Each actor's Python work (a worker's sending thread, a PS's calls
+  and sums) is serial (the GIL); where `Hardware.host_cores` is set, every
+  node's CPU work also takes one of that many cores shared by all nodes (the
+  emulated cluster: every "node" on this one machine).
+- **dsgd, overlapped** (`overlap=True`, the default with GPUs): the buckets of
+  `comm/sharding.py` `bucket_layout` (dsgd's own plan, computed here) leave as
+  the backward pass makes them: copy to host (GPU, PCIe), `ray.put`
+  (c_put + S/B_put) and the PS call (c_call) on the worker's sending thread;
+  the PS's node pulls the part when the call arrives (transfer + l_pull), the
+  PS handles the call (c_call), and the last arrival sums (N·S/B_sum + fresh
+  pages + the result's put). The worker sends its meta to PS 0 when the backward
+  pass ends; while PS 0 gathers the N metas the worker reads the means whose
+  answers are in (`Sending.metas` -> `collect`: one parallel pull, waited for);
+  after the decision it reads the ready ones again, applies the ready prefix
+  in one update and the rest in a second, each stage's means pulled at once
+  when all its answers are in (`Sending.read`), or everything in one update
+  when under `APPLY_SPLIT_MIN_PENDING` is still pending
+  (`Worker._apply_arriving`).
+  With `prefetch=True` (not what the code does: a proposed change, see
+  docs/scaling.md) each mean is pulled as soon as its answer arrives.
+- **dsgd, after the backward pass** (`overlap=False`, CPU workers): one object per
+  PS group (`exchange_layout`), put and sent when the compute ends, metas riding
+  with them; the worker waits for every answer, pulls every mean in parallel
+  and applies once.
+- **ring** (Horovod): every `cycle_s` its background thread fuses the ready
+  gradients (in the order they became ready, up to `fusion_bytes`) and
+  allreduces the buffer over a ring of N·D ranks: 2(ND−1) steps of
+  S/(ND) bytes, each through one NIC direction, plus the per-step latency
+  α; buffers are allreduced one at a time. The optimizer runs on the GPU when
+  the last gradient is reduced.
+- **byteps** (BytePS, one server per node): gradients cut into partitions of
+  `partition_bytes`, assigned to servers round-robin; a worker pushes each
+  partition when its gradient is ready (local reduce over NVLink and copy to
+  host first), the server sums as pushes arrive and answers every pull once the N
+  pushes are in; the worker copies each pulled partition back to the GPU; the
+  optimizer runs when every partition is back. Per message `msg_s` of CPU.
+
+Steps are synchronous: a worker's next step starts when its apply ends. The
+simulator runs `steps` steps and reports the median of the last step's time
+over workers, with each phase's end for worker 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import statistics
+from typing import Callable, Sequence
+
+
+# ---------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Nodes, links and devices. Bytes per second, seconds."""
+
+    link_bw: float                 # NIC line rate per direction
+    link_latency_s: float = 25e-6  # one way, per message
+    link_efficiency: float = 0.9   # fraction of the line rate a transfer reaches
+    gpu: bool = True
+    devices: int = 1               # D per worker (node)
+    pcie_bw: float = 12e9          # host <-> GPU, per direction
+    hbm_bw: float = 900e9          # GPU memory (the optimizer's passes)
+    nvlink_bw: float = 100e9       # in-node allreduce bus bandwidth (D > 1)
+    host_cores: int | None = None  # one CPU pool shared by every node (emulated cluster)
+
+    @property
+    def rate(self) -> float:
+        return self.link_bw * self.link_efficiency
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """Per-object, per-call and per-byte costs of the software (seconds, bytes/s)."""
+
+    put_s: float          # one ray.put: fixed part
+    put_bw: float         # ray.put: bytes per second copied into the store
+    call_s: float         # one actor call: CPU of the caller and of the callee, each
+    rpc_s: float          # one-way latency of an actor call or reply (beyond the link's)
+    pull_s: float         # fixed latency of pulling one object from another node
+    sum_bw: float         # PS kernel: input bytes summed per second
+    mem_bw: float         # one copy (the PS's result put)
+    fresh_bw: float = 0.0     # first read of pages just pulled (0: free)
+    apply_s: float = 0.0      # one compiled apply update: fixed part (host)
+    apply_bw: float = 0.0     # host apply: gradient bytes per second (CPU workers; 0: free)
+    loop_s: float = 0.0       # per step, a worker's own fixed cost outside compute/apply
+    split_min_pending: float = 0.25  # dsgd's APPLY_SPLIT_MIN_PENDING
+    xfer_cpu_bw: float = 0.0  # CPU a transfer costs (emulated cluster, shared cores; 0: none)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One device's model: its variables (shapes, in model order) and when the
+    backward pass makes each one's gradient (seconds after the step starts)."""
+
+    name: str
+    shapes: tuple                    # trainable variable shapes, model order
+    ready_s: tuple                   # per variable: gradient ready (device), s after start
+    compute_s: float                 # forward + backward (device), s
+    cpu_compute_s: float = 0.0       # of which takes a host core (CPU models)
+    update_bytes_factor: float = 5.0  # optimizer passes over the gradient (GPU apply)
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4 * sum(math.prod(s) for s in self.shapes)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [4 * math.prod(s) for s in self.shapes]
+
+
+# ---------------------------------------------------------------------------
+# The event engine and its resources
+# ---------------------------------------------------------------------------
+
+class Engine:
+    def __init__(self):
+        self.queue: list = []
+        self.count = 0
+        self.now = 0.0
+
+    def at(self, t: float, fn: Callable, *args) -> None:
+        heapq.heappush(self.queue, (t, self.count, fn, args))
+        self.count += 1
+
+    def run(self) -> None:
+        while self.queue:
+            t, _, fn, args = heapq.heappop(self.queue)
+            self.now = t
+            fn(*args)
+
+
+class Serial:
+    """One server (a thread under the GIL, a DMA engine): FIFO."""
+
+    def __init__(self):
+        self.free = 0.0
+
+    def take(self, t: float, seconds: float) -> float:
+        start = max(t, self.free)
+        self.free = start + seconds
+        return self.free
+
+
+class Cores:
+    """k identical cores; None: always one free."""
+
+    def __init__(self, k: int | None):
+        self.free = [0.0] * k if k else None
+
+    def start(self, t: float) -> float:
+        return t if self.free is None else max(t, self.free[0])
+
+    def hold(self, start: float, seconds: float) -> None:
+        if self.free is not None:
+            heapq.heapreplace(self.free, max(self.free[0], start) + seconds)
+
+
+def cpu(cores: Cores, thread: Serial, t: float, seconds: float) -> float:
+    """Run `seconds` of CPU on `thread`, holding a core: returns the end."""
+    start = cores.start(max(t, thread.free))
+    cores.hold(start, seconds)
+    thread.free = start + seconds
+    return thread.free
+
+
+class Network:
+    """Each node's NIC: an uplink and a downlink, FIFO, cut-through."""
+
+    def __init__(self, nodes: int, hw: Hardware, costs: Costs, cores: Cores):
+        self.up = [0.0] * nodes
+        self.down = [0.0] * nodes
+        self.rate, self.latency = hw.rate, hw.link_latency_s
+        self.cores, self.xfer_cpu_bw = cores, costs.xfer_cpu_bw
+        self.bytes = 0
+
+    def send(self, t: float, src: int, dst: int, nbytes: float) -> float:
+        if src == dst:
+            return t
+        self.bytes += nbytes
+        seconds = nbytes / self.rate
+        s_up = max(t, self.up[src])
+        e_up = s_up + seconds
+        self.up[src] = e_up
+        s_down = max(s_up, self.down[dst])
+        e_down = max(s_down + seconds, e_up)
+        self.down[dst] = e_down
+        if self.xfer_cpu_bw:  # (charged when asked for: a core cannot be held ahead)
+            self.cores.hold(t, nbytes / self.xfer_cpu_bw)
+        return e_down + self.latency
+
+
+# ---------------------------------------------------------------------------
+# dsgd
+# ---------------------------------------------------------------------------
+
+def dsgd_layout(w: Workload, workers: int, shard_bytes: int, num_ps: int | None,
+                compression: str | None, overlap: bool):
+    """dsgd's own plan: (groups as [(wire bytes, ps, ready_s)], float32 bytes per
+    group, number of PS). Buckets when `overlap`, else one group per PS."""
+    from dsgd import constants
+    from dsgd.comm.sharding import bucket_layout, exchange_layout, plan_shards
+
+    plan = plan_shards(list(w.shapes), ["float32"] * len(w.shapes), int(shard_bytes),
+                       compression=compression)
+    asked = num_ps or max(1, min(plan.num_shards, workers))  # param_server.default_num_ps
+    layout = exchange_layout(plan, asked)
+    if overlap:
+        layout = bucket_layout(layout, constants.BUCKET_MIN_BYTES)
+    groups = []
+    for g, ps in zip(layout.groups, layout.ps_of_group):
+        wire = sum(plan.shards[j].nbytes for j in g)
+        f32 = sum(4 * p.length for j in g for p in plan.shards[j].pieces)
+        ready = max(w.ready_s[p.var_index] for j in g for p in plan.shards[j].pieces)
+        groups.append((wire, ps, ready, f32))
+    return groups, asked
+
+
+def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
+                  shard_bytes: int = 10_000_000, num_ps: int | None = None,
+                  compression: str | None = None, overlap: bool = True,
+                  prefetch: bool = False, steps: int = 3) -> dict:
+    n = workers
+    groups, asked = dsgd_layout(w, n, shard_bytes, num_ps, compression, overlap)
+    if n == 1:  # no exchange: the worker applies its own gradient
+        return _single(w, hw, k, steps, groups)
+    eng = Engine()
+    cores = Cores(hw.host_cores)
+    net = Network(n, hw, k, cores)
+    ps_node = [j % n for j in range(asked)]
+    sender = [Serial() for _ in range(n)]     # the worker's sending thread (GIL)
+    main = [Serial() for _ in range(n)]       # the worker's step thread
+    d2h = [Serial() for _ in range(n)]
+    h2d = [Serial() for _ in range(n)]
+    ps_gil = [Serial() for _ in range(asked)]
+    total_wire = sum(g[0] for g in groups)
+    nb = len(groups)
+    state: dict = {}
+    ends: dict = {}
+    marks: dict = {}
+
+    def hop(a: int, b: int) -> float:
+        return k.rpc_s + (hw.link_latency_s if a != b else 0.0)
+
+    def local_allreduce_s(nbytes: float) -> float:  # the D devices' mean (NVLink)
+        d = hw.devices
+        return 2 * (d - 1) / d * nbytes / hw.nvlink_bw if d > 1 else 0.0
+
+    def start_step(s: int, u: int, t0: float) -> None:
+        st = state.setdefault(s, {"arrived": [0] * nb, "replies": [[math.inf] * nb for _ in range(n)],
+                                  "metas": 0, "meta_t": 0.0, "start": {}})
+        st["start"][u] = t0
+        compute_end = t0 + w.compute_s + local_allreduce_s(w.grad_bytes)
+        if w.cpu_compute_s:
+            t = cpu(cores, main[u], t0, w.cpu_compute_s)
+            compute_end = max(compute_end, t)
+        if overlap:
+            for b, (wire, ps, ready, f32) in enumerate(groups):
+                t = t0 + ready + local_allreduce_s(f32)
+                eng.at(t, send_bucket, s, u, b)
+            eng.at(compute_end, backward_end, s, u)
+        else:
+            eng.at(compute_end, send_all, s, u)
+
+    def put_and_call(u: int, t: float, wire: float) -> float:
+        return cpu(cores, sender[u], t, k.put_s + wire / k.put_bw + k.call_s)
+
+    def send_bucket(s: int, u: int, b: int) -> None:
+        wire, ps, _, _ = groups[b]
+        t = eng.now
+        if hw.gpu:
+            t = d2h[u].take(t, wire / hw.pcie_bw)
+        t = put_and_call(u, t, wire)
+        eng.at(t + hop(u, ps_node[ps]), arrive, s, u, b)
+
+    def send_all(s: int, u: int) -> None:
+        t = eng.now
+        for b, (wire, ps, _, _) in enumerate(groups):
+            if hw.gpu:
+                t = d2h[u].take(t, wire / hw.pcie_bw)
+            t = put_and_call(u, t, wire)
+            eng.at(t + hop(u, ps_node[ps]), arrive, s, u, b)
+        main[u].free = max(main[u].free, t)
+        state[s].setdefault("sent", {})[u] = t
+
+    def arrive(s: int, u: int, b: int) -> None:
+        wire, ps, _, _ = groups[b]
+        node = ps_node[ps]
+        t = eng.now
+        if node != u:  # Ray resolves the argument (pulls the part) before the call runs
+            t = net.send(t, u, node, wire) + k.pull_s
+        eng.at(t, handled, s, b)
+
+    def handled(s: int, b: int) -> None:
+        wire, ps, _, _ = groups[b]
+        node = ps_node[ps]
+        st = state[s]
+        t = cpu(cores, ps_gil[ps], eng.now, k.call_s)
+        st["arrived"][b] += 1
+        if st["arrived"][b] < n:
+            return
+        fresh = (n - 1) * wire / k.fresh_bw if k.fresh_bw else 0.0
+        done = cpu(cores, ps_gil[ps], t, n * wire / k.sum_bw + fresh + wire / k.mem_bw + k.put_s)
+        for u in range(n):
+            st["replies"][u][b] = done + hop(node, u)
+        if not overlap:  # metas ride with the means: the answers are the decision
+            if all(a == n for a in st["arrived"]):
+                for u in range(n):
+                    eng.at(max(st["replies"][u]), read_all, s, u)
+        elif prefetch:
+            for u in range(n):
+                eng.at(st["replies"][u][b], prefetch_one, s, u, b)
+        for u in range(n):
+            if (u, b) in st.get("waiters", ()):
+                st["waiters"].discard((u, b))
+                eng.at(st["replies"][u][b], advance, s, u)
+
+    def pull_mean(u: int, b: int, t: float) -> float:
+        wire, ps, _, _ = groups[b]
+        node = ps_node[ps]
+        if node == u:
+            return t
+        return net.send(t, node, u, wire) + k.pull_s
+
+    def prefetch_one(s: int, u: int, b: int) -> None:
+        st = state[s]
+        st.setdefault("pulled", {}).setdefault(u, {})[b] = pull_mean(u, b, eng.now)
+
+    def read_all(s: int, u: int) -> None:  # after the backward pass: every mean at once
+        t = max(eng.now, main[u].free)
+        got = max(pull_mean(u, b, t) for b in range(nb))
+        eng.at(got, apply_stage, s, u, tuple(range(nb)), None)
+
+    def mark(s: int, u: int, what: str, t: float) -> None:
+        if u == 0:
+            marks.setdefault(s, {})[what] = t - state[s]["start"][0]
+
+    def backward_end(s: int, u: int) -> None:
+        mark(s, u, "backward_end", eng.now)
+        t = max(eng.now, sender[u].free)  # the last bucket's op has returned
+        mark(s, u, "last_bucket_sent", t)
+        t = cpu(cores, sender[u], t, k.call_s)  # the gather call to PS 0
+        eng.at(t + hop(u, ps_node[0]), meta_arrives, s)
+        # collect(): the means whose answers are in, pulled in parallel, waited for.
+        eng.at(t, collect, s, u, "metas")
+
+    def meta_arrives(s: int) -> None:
+        st = state[s]
+        t = cpu(cores, ps_gil[0], eng.now, k.call_s)
+        st["metas"] += 1
+        st["meta_t"] = max(st["meta_t"], t)
+        if st["metas"] == n:
+            for u in range(n):
+                eng.at(st["meta_t"] + hop(ps_node[0], u), decided, s, u)
+
+    def pulled_by(st, u: int, t: float) -> dict:
+        """Means of worker u in its store by `t` (read ahead), bucket -> time."""
+        return st.setdefault("pulled", {}).setdefault(u, {})
+
+    def collect(s: int, u: int, when: str) -> None:
+        st = state[s]
+        have = pulled_by(st, u, eng.now)
+        t = eng.now
+        new = [b for b in range(nb) if b not in have and st["replies"][u][b] <= t]
+        for b in new:
+            have[b] = pull_mean(u, b, t)
+        done = max([t] + [have[b] for b in new])
+        if when == "metas":
+            st.setdefault("collected", {})[u] = done
+        else:  # the decision: collect again, then split
+            eng.at(done, split, s, u)
+
+    def decided(s: int, u: int) -> None:
+        st = state[s]
+        mark(s, u, "decided", eng.now)
+        t = max(eng.now, st.get("collected", {}).get(u, 0.0))
+        eng.at(t, collect, s, u, "decision")
+
+    def split(s: int, u: int) -> None:
+        st = state[s]
+        mark(s, u, "first_apply_begins", eng.now)
+        have = pulled_by(st, u, eng.now)
+        ready = 0
+        while ready < nb and ready in have and have[ready] <= eng.now:
+            ready += 1
+        pending = sum(g[0] for g in groups[ready:]) / total_wire
+        if ready == 0 or pending < k.split_min_pending:
+            stages = [tuple(range(nb))]
+        else:
+            stages = [tuple(range(ready)), tuple(range(ready, nb))]
+        run_stages(s, u, stages, eng.now)
+
+    def run_stages(s: int, u: int, stages, t: float) -> None:
+        state[s].setdefault("plan", {})[u] = {"stages": stages, "si": 0, "bi": 0, "read": False,
+                                              "next": t}
+        advance(s, u)
+
+    def later(s: int, u: int, t: float) -> None:
+        state[s]["plan"][u]["next"] = t
+        eng.at(t, advance, s, u)
+
+    def advance(s: int, u: int) -> None:
+        """Worker u's reads and applies, stage by stage: every mean of the stage
+        pulled at once when all its answers are in (Sending.read), then the
+        stage's update; each step waits for what it needs."""
+        st = state[s]
+        p, have, now = st["plan"][u], pulled_by(st, u, eng.now), eng.now
+        if now < p["next"]:
+            return  # (a wake-up for a wait already over)
+        while p["si"] < len(p["stages"]):
+            stage = p["stages"][p["si"]]
+            if not p["read"]:
+                missing = [b for b in stage if b not in have]
+                unknown = [b for b in missing if st["replies"][u][b] == math.inf]
+                if unknown:  # still being summed: handled() wakes us
+                    for b in unknown:
+                        st.setdefault("waiters", set()).add((u, b))
+                    p["next"] = now
+                    return
+                last = max([st["replies"][u][b] for b in missing], default=now)
+                if last > now:
+                    later(s, u, last)
+                    return
+                for b in missing:
+                    have[b] = pull_mean(u, b, now)
+                p["read"] = True
+            got = max([have[b] for b in stage], default=now)
+            if got > now:
+                later(s, u, got)
+                return
+            p["si"], p["read"] = p["si"] + 1, False
+            later(s, u, apply_time(u, stage, now))
+            return
+        step_end(s, u)
+
+    def apply_time(u: int, stage, t: float) -> float:
+        f32 = sum(groups[b][3] for b in stage)
+        wire = sum(groups[b][0] for b in stage)
+        remote = sum(groups[b][0] for b in stage if ps_node[groups[b][1]] != u)
+        seconds = k.apply_s + (remote / k.fresh_bw if k.fresh_bw else 0.0)
+        if hw.gpu:
+            t = cpu(cores, main[u], t, seconds)
+            t = h2d[u].take(t, wire / hw.pcie_bw)
+            return t + w.update_bytes_factor * f32 / hw.hbm_bw
+        return cpu(cores, main[u], t, seconds + (f32 / k.apply_bw if k.apply_bw else 0.0))
+
+    def apply_stage(s: int, u: int, stage, _) -> None:
+        t = apply_time(u, stage, eng.now)
+        eng.at(t, step_end, s, u)
+
+    def step_end(s: int, u: int) -> None:
+        mark(s, u, "applied", eng.now)
+        t = cpu(cores, main[u], eng.now, k.loop_s) if k.loop_s else eng.now
+        ends.setdefault(s, {})[u] = t
+        if s + 1 < steps:
+            eng.at(t, start_step, s + 1, u, t)
+
+    for u in range(n):
+        eng.at(0.0, start_step, 0, u, 0.0)
+    eng.run()
+    return _result(ends, state, steps, n, groups=len(groups), num_ps=asked,
+                   busy_ps=len({g[1] for g in groups}), net_bytes=net.bytes,
+                   worker0_s=marks.get(steps - 1, {}))
+
+
+def _single(w: Workload, hw: Hardware, k: Costs, steps: int, groups) -> dict:
+    """One worker: compute, then its own update (no exchange)."""
+    f32 = sum(g[3] for g in groups)
+    if hw.gpu:
+        apply = w.update_bytes_factor * f32 / hw.hbm_bw
+    else:
+        apply = k.apply_s + (f32 / k.apply_bw if k.apply_bw else 0.0)
+    step = max(w.compute_s, w.cpu_compute_s) + apply + k.loop_s
+    return {"step_s": step, "steps": [step] * steps, "groups": len(groups), "num_ps": 0,
+            "busy_ps": 0}
+
+
+def _result(ends: dict, state: dict, steps: int, n: int, **extra) -> dict:
+    last = steps - 1
+    per_worker = [ends[last][u] - (ends[last - 1][u] if last else 0.0) for u in range(n)]
+    return {"step_s": statistics.median(per_worker), "slowest_step_s": max(per_worker),
+            "steps": [statistics.median(ends[s][u] - (ends[s - 1][u] if s else 0.0)
+                                        for u in range(n)) for s in range(steps)], **extra}
+
+
+# ---------------------------------------------------------------------------
+# Ring allreduce (Horovod) and BytePS-style PS
+# ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class RingParams:
+    """Horovod's defaults (docs/tensor-fusion.rst, docs/autotune.rst of Horovod 0.28):
+    HOROVOD_FUSION_THRESHOLD 128 MiB, HOROVOD_CYCLE_TIME 1 ms."""
+
+    fusion_bytes: int = 128 * 2**20
+    cycle_s: float = 1e-3
+    hop_s: float = 10e-6  # per ring step: NCCL's message latency beyond the link's (assumed)
+
+
+def simulate_ring(w: Workload, hw: Hardware, workers: int, *, compression: str | None = None,
+                  params: RingParams = RingParams(), steps: int = 3) -> dict:
+    """Every rank identical: one timeline. Returns as simulate_dsgd."""
+    n, d = workers * hw.devices, hw.devices
+    wire_factor = 0.5 if compression else 1.0
+    sizes, ready = w.sizes, w.ready_s
+    order = sorted(range(len(sizes)), key=lambda v: ready[v])
+    if n == 1:
+        step = w.compute_s + w.update_bytes_factor * w.grad_bytes / hw.hbm_bw
+        return {"step_s": step, "steps": [step] * steps, "buffers": 0}
+    # Horovod's background thread: at its next cycle tick after the previous
+    # allreduce is done, it fuses every gradient ready by then (up to the fusion
+    # threshold) into one buffer. (Fusing while the ring is busy, never two small
+    # allreduces back to back: a favourable reading of Horovod's cycles.)
+    nic_free, t_done, i, buffers = 0.0, 0.0, 0, 0
+    per_step_latency = hw.link_latency_s + params.hop_s
+    while i < len(order):
+        tick = max(nic_free, ready[order[i]])
+        tick = math.ceil(tick / params.cycle_s - 1e-9) * params.cycle_s
+        nbytes = 0
+        while i < len(order) and ready[order[i]] <= tick and \
+                (nbytes == 0 or nbytes + sizes[order[i]] * wire_factor <= params.fusion_bytes):
+            nbytes += sizes[order[i]] * wire_factor
+            i += 1
+        # negotiation (response cache: one bit-vector allreduce of the ready set)
+        negotiate = 2 * math.ceil(math.log2(n)) * per_step_latency
+        # Flat ring over n = N·D ranks: 2(n-1) steps of S/n bytes, each NIC carrying its
+        # node's inter-node edge; or, with D > 1, Horovod's hierarchical allreduce: an
+        # NVLink reduce-scatter in the node, a ring over the N nodes (each of the D
+        # ranks on its 1/D slice, sharing the NIC), an NVLink all-gather. The faster.
+        flat = 2 * (n - 1) * (nbytes / n / hw.rate + per_step_latency)
+        nodes = workers
+        hier = (2 * (d - 1) / d * nbytes / hw.nvlink_bw
+                + 2 * (nodes - 1) * (nbytes / nodes / hw.rate + per_step_latency)) if d > 1 \
+            else flat
+        nic_free = tick + negotiate + min(flat, hier)
+        t_done = nic_free
+        buffers += 1
+    step = max(t_done, w.compute_s) + w.update_bytes_factor * w.grad_bytes / hw.hbm_bw
+    return {"step_s": step, "steps": [step] * steps, "buffers": buffers}
+
+
+@dataclasses.dataclass(frozen=True)
+class BytePSParams:
+    """BytePS's defaults (docs/env.md of BytePS 0.2): BYTEPS_PARTITION_BYTES 4,096,000;
+    one server per node (colocated, as in its paper's best setup)."""
+
+    partition_bytes: int = 4_096_000
+    msg_s: float = 20e-6   # ps-lite per message CPU (assumed)
+    sum_bw: float = 10e9   # server summation, bytes/s of input (assumed: one core's memory bw)
+
+
+def simulate_byteps(w: Workload, hw: Hardware, workers: int, *,
+                    compression: str | None = None, params: BytePSParams = BytePSParams(),
+                    steps: int = 3) -> dict:
+    n, d = workers, hw.devices
+    wire_factor = 0.5 if compression else 1.0
+    if n == 1:
+        step = w.compute_s + w.update_bytes_factor * w.grad_bytes / hw.hbm_bw
+        return {"step_s": step, "steps": [step] * steps, "partitions": 0}
+    # partitions in gradient-ready order
+    parts = []
+    for v in sorted(range(len(w.sizes)), key=lambda v: w.ready_s[v]):
+        size = w.sizes[v] * wire_factor
+        while size > 0:
+            p = min(size, params.partition_bytes)
+            parts.append((p, w.ready_s[v]))
+            size -= p
+    eng = Engine()
+    net = Network(n, hw, Costs(0, 1, 0, 0, 0, 1, 1), Cores(None))
+    local = (lambda b: (d - 1) / d * b / hw.nvlink_bw) if d > 1 else (lambda b: 0.0)
+    server_cpu = [Serial() for _ in range(n)]
+    worker_cpu = [Serial() for _ in range(n)]
+    d2h = [Serial() for _ in range(n)]
+    h2d = [Serial() for _ in range(n)]
+    arrived = [0] * len(parts)
+    done_at = [0.0] * len(parts)
+    back = [[0.0] * len(parts) for _ in range(n)]
+
+    def push(u: int, i: int) -> None:
+        size, _ = parts[i]
+        t = eng.now + local(size)              # NCCL reduce to the root GPU
+        t = d2h[u].take(t, size / hw.pcie_bw)
+        t = worker_cpu[u].take(t, params.msg_s)
+        server = i % n
+        eng.at(net.send(t, u, server, size), summed, u, i)
+
+    def summed(u: int, i: int) -> None:
+        size, _ = parts[i]
+        server = i % n
+        t = server_cpu[server].take(eng.now, params.msg_s + size / params.sum_bw)
+        arrived[i] += 1
+        done_at[i] = max(done_at[i], t)
+        if arrived[i] == n:
+            for v in range(n):
+                t2 = server_cpu[server].take(done_at[i], params.msg_s)
+                eng.at(net.send(t2, server, v, size), pulled, v, i)
+
+    def pulled(u: int, i: int) -> None:
+        size, _ = parts[i]
+        t = h2d[u].take(eng.now, size / hw.pcie_bw) + local(size)  # copy + NCCL broadcast
+        back[u][i] = t
+
+    for u in range(n):
+        for i, (_, ready) in enumerate(parts):
+            eng.at(ready, push, u, i)
+    eng.run()
+    last = max(max(b) for b in back)
+    step = max(last, w.compute_s) + w.update_bytes_factor * w.grad_bytes / hw.hbm_bw
+    return {"step_s": step, "steps": [step] * steps, "partitions": len(parts)}
+
+
+def simulate(algorithm: str, w: Workload, hw: Hardware, costs: Costs | None, workers: int,
+             **options) -> dict:
+    """`algorithm`: "dsgd", "ring" or "byteps"."""
+    if algorithm == "dsgd":
+        return simulate_dsgd(w, hw, costs, workers, **options)
+    if algorithm == "ring":
+        return simulate_ring(w, hw, workers, **options)
+    if algorithm == "byteps":
+        return simulate_byteps(w, hw, workers, **options)
+    raise ValueError(f"algorithm must be 'dsgd', 'ring' or 'byteps', got {algorithm!r}")
+
+
+def backward_profile(flops: Sequence[float], forward_s: float, backward_s: float) -> list[float]:
+    """Per variable, when its gradient exists: the backward pass runs the variables
+    in reverse model order, each taking a share of `backward_s` proportional to its
+    `flops`; it starts after `forward_s`."""
+    total = sum(flops) or 1.0
+    ready, t = [0.0] * len(flops), forward_s
+    for v in reversed(range(len(flops))):
+        t += backward_s * flops[v] / total
+        ready[v] = t
+    return ready

@@ -1,0 +1,114 @@
+"""The scaling simulator (benchmarks/simulate/sim.py): its closed-form corners and
+the directions every change must move it in. Pure Python, no Ray."""
+
+import dataclasses
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
+                                "simulate"))
+
+import profiles  # noqa: E402
+import sim  # noqa: E402
+
+MIB = 2**20
+FREE = sim.Costs(put_s=0.0, put_bw=math.inf, call_s=0.0, rpc_s=0.0, pull_s=0.0,
+                 sum_bw=math.inf, mem_bw=math.inf)
+COSTS = sim.Costs(put_s=0.5e-3, put_bw=2e9, call_s=0.25e-3, rpc_s=0.5e-3, pull_s=2e-3,
+                  sum_bw=10e9, mem_bw=5e9, fresh_bw=30e9, apply_s=1e-3, apply_bw=4e9)
+FAST = sim.Hardware(link_bw=1e15, link_latency_s=0.0, gpu=False)
+
+
+def flat(mib=8.0, compute_s=0.05):
+    return profiles.flat_workload(mib, 8, compute_s)
+
+
+def test_free_exchange_costs_only_the_compute_and_apply():
+    w = flat()
+    k = dataclasses.replace(FREE, apply_s=1e-3, apply_bw=4e9)
+    one = sim.simulate("dsgd", w, FAST, k, 1)
+    for overlap in (False, True):
+        many = sim.simulate("dsgd", w, FAST, k, 4, shard_bytes=MIB, num_ps=4, overlap=overlap)
+        assert many["step_s"] == pytest.approx(one["step_s"], rel=1e-6)
+    assert one["step_s"] == pytest.approx(0.05 + 1e-3 + w.grad_bytes / 4e9)
+
+
+def test_link_time_is_the_busiest_nic_direction():
+    # Compute-free, after the backward pass, two nodes, one PS on node 0: worker 1
+    # uploads G and downloads G over its own NIC, one after the other.
+    w = flat(mib=8.0, compute_s=0.0)
+    rate = 100e6
+    hw = sim.Hardware(link_bw=rate, link_efficiency=1.0, link_latency_s=0.0, gpu=False)
+    r = sim.simulate("dsgd", w, hw, FREE, 2, shard_bytes=64 * MIB, num_ps=1, overlap=False)
+    assert r["step_s"] == pytest.approx(2 * w.grad_bytes / rate, rel=1e-6)
+
+
+def test_slower_links_more_workers_and_costlier_calls_never_speed_dsgd_up():
+    w = profiles.sleepy_workload(8, 0.005, 0.01)
+    hw = sim.Hardware(link_bw=1e9, gpu=False)
+    base = sim.simulate("dsgd", w, hw, COSTS, 8, shard_bytes=4 * MIB, num_ps=8)["step_s"]
+    slower = sim.simulate("dsgd", w, dataclasses.replace(hw, link_bw=0.25e9), COSTS, 8,
+                          shard_bytes=4 * MIB, num_ps=8)["step_s"]
+    costly = sim.simulate("dsgd", w, hw, dataclasses.replace(COSTS, call_s=5e-3), 8,
+                          shard_bytes=4 * MIB, num_ps=8)["step_s"]
+    more = sim.simulate("dsgd", w, hw, COSTS, 32, shard_bytes=4 * MIB, num_ps=8)["step_s"]
+    assert slower > base and costly > base and more > base
+
+
+def test_overlap_hides_the_exchange_behind_the_backward_pass():
+    # 8 layers of 4 MiB whose backward takes 20 ms each; a link fast enough to move
+    # one bucket within one layer's backward: the overlapped step pays far less of
+    # the exchange than the step that sends after the backward pass.
+    w = profiles.sleepy_workload(8, 0.01, 0.02)
+    hw = sim.Hardware(link_bw=2e9, gpu=False)
+    one = sim.simulate("dsgd", w, hw, COSTS, 1)["step_s"]
+    after = sim.simulate("dsgd", w, hw, COSTS, 2, shard_bytes=4 * MIB, num_ps=2,
+                         overlap=False)["step_s"]
+    during = sim.simulate("dsgd", w, hw, COSTS, 2, shard_bytes=4 * MIB, num_ps=2,
+                          overlap=True)["step_s"]
+    assert one < during < after
+    assert during - one < 0.5 * (after - one)
+
+
+def test_shared_cores_slow_the_emulated_cluster():
+    w = flat(mib=8.0, compute_s=0.02)
+    hw = sim.Hardware(link_bw=50e6, gpu=False)
+    k = dataclasses.replace(COSTS, xfer_cpu_bw=1e9)
+    alone = sim.simulate("dsgd", w, hw, k, 8, shard_bytes=MIB, num_ps=8, overlap=False)
+    shared = sim.simulate("dsgd", w, dataclasses.replace(hw, host_cores=2), k, 8,
+                          shard_bytes=MIB, num_ps=8, overlap=False)
+    assert shared["step_s"] > alone["step_s"]
+
+
+def test_ring_allreduce_matches_its_closed_form():
+    # One gradient, ready at once, one buffer: 2(n-1) steps of S/n plus their latency.
+    w = sim.Workload("one", ((1024, 1024),), (0.0,), 0.0, update_bytes_factor=0.0)
+    hw = sim.Hardware(link_bw=1e9, link_efficiency=1.0, link_latency_s=0.0)
+    params = sim.RingParams(cycle_s=1e-9, hop_s=0.0)
+    for n in (2, 8, 64):
+        r = sim.simulate("ring", w, hw, None, n, params=params)
+        assert r["buffers"] == 1
+        assert r["step_s"] == pytest.approx(2 * (n - 1) / n * 4 * MIB / 1e9, rel=1e-3)
+
+
+def test_byteps_moves_each_partition_once_each_way():
+    # Two nodes, one 4 MiB tensor in one partition on server 0: worker 1 pushes
+    # S and pulls S through its NIC; PCIe and the summing are free here.
+    w = sim.Workload("one", ((1024, 1024),), (0.0,), 0.0, update_bytes_factor=0.0)
+    hw = sim.Hardware(link_bw=1e9, link_efficiency=1.0, link_latency_s=0.0, pcie_bw=1e18)
+    params = sim.BytePSParams(partition_bytes=8 * MIB, msg_s=0.0, sum_bw=1e18)
+    r = sim.simulate("byteps", w, hw, None, 2, params=params)
+    assert r["step_s"] == pytest.approx(2 * 4 * MIB / 1e9, rel=1e-6)
+
+
+def test_backward_profile_runs_in_reverse():
+    ready = sim.backward_profile([1.0, 2.0, 1.0], forward_s=1.0, backward_s=4.0)
+    assert ready == pytest.approx([5.0, 4.0, 2.0])
+
+
+def test_unknown_algorithm_is_named():
+    with pytest.raises(ValueError, match="algorithm must be 'dsgd', 'ring' or 'byteps'"):
+        sim.simulate("nccl", flat(), FAST, FREE, 2)
