@@ -64,6 +64,54 @@ def test_shards_of_one_ps_share_each_stay_one_bucket_per_ps():
     assert len(buckets.groups) == 16  # (the last holds the 256-byte tail shard too)
 
 
+def test_buckets_never_exceed_the_ps_threads_whatever_the_shard_sizes():
+    import random
+
+    from dsgd import constants
+
+    rng = random.Random(7)
+    for _ in range(200):
+        shapes = [(rng.choice([10, 1000, 50_000, 400_000, 2_000_000]),)
+                  for _ in range(rng.randint(1, 60))]
+        shard_bytes = rng.choice([64 * 1024, 1 << 20, 4 << 20, 10_000_000])
+        num_ps = rng.randint(1, 16)
+        plan = plan_shards(shapes, ["float32"] * len(shapes), shard_bytes)
+        layout = exchange_layout(plan, min(num_ps, plan.num_shards))
+        buckets = bucket_layout(layout, constants.BUCKET_MIN_BYTES)
+        assert len(buckets.groups) <= constants.MAX_BUCKETS_PER_PS * layout.num_ps + 1
+        assert sorted(j for b in buckets.groups for j in b) == list(range(plan.num_shards))
+
+
+class _Client:
+    """A PSClient stand-in for Sending.read (unit test: no cluster): its wait raises."""
+
+    rank, world, timeout_s, what = 0, 2, 1.0, "worker 0"
+
+    def __init__(self, error):
+        self.error = error
+
+    def _wait(self, refs, owners, seq, label, **kwargs):
+        raise self.error
+
+
+def test_read_leaves_dead_groups_to_mean_and_raises_a_timeout():
+    from ray.exceptions import ActorDiedError
+
+    from dsgd.comm.ps_client import Sending
+    from dsgd.errors import StepTimeoutError
+
+    plan = plan_shards([(256, 256)] * 4, ["float32"] * 4, 256 * 256 * 4)
+    buckets = bucket_layout(exchange_layout(plan, 2), 256 * 256 * 4)
+    dead = Sending(_Client(ActorDiedError()), buckets, 7, "step 1")
+    dead.answers = ["answer"] * len(buckets.groups)
+    dead.read(range(len(buckets.groups)))  # a dead PS: nothing read, each group to `mean`
+    assert dead._means == {}
+    late = Sending(_Client(StepTimeoutError("PS 1 did not answer")), buckets, 7, "step 1")
+    late.answers = ["answer"] * len(buckets.groups)
+    with pytest.raises(StepTimeoutError, match="PS 1 did not answer"):
+        late.read(range(len(buckets.groups)))  # not waited for a second time by `mean`
+
+
 def test_overlap_is_on_with_gpus_by_default_and_refuses_a_non_bool():
     from dsgd.config import Config
 

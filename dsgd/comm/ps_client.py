@@ -377,9 +377,11 @@ class Sending:
         then pull every mean at once (kept for `mean`). Read one after the
         other, every worker would pull group 0's mean from one PS's node, then
         group 1's from the next: one PS's NIC at a time serving every worker.
-        A group whose answer or mean fails is left to `mean` (which names a
-        dead PS or averages the group from the workers' parts). Blocks, at most
-        the client's `timeout_s`; a dead peer or PS ends the wait at once."""
+        A dead actor or a lost object leaves every group to `mean` (which names a
+        dead PS or averages the group from the workers' parts); a timeout or any
+        other error is raised. Waits for every group's answer before pulling (the
+        means of a stage come from the PS's last sums, close together). Blocks,
+        at most the client's `timeout_s`; a dead peer or PS ends the wait at once."""
         import ray
 
         client = self.client
@@ -391,7 +393,7 @@ class Sending:
                                    [self.layout.ps_of_group[g] for g in todo], self.seq,
                                    self.label)
             means = ray.get([a[0] for a in answers], timeout=max(1.0, client.timeout_s))
-        except Exception:  # noqa: BLE001 - each failed group is `mean`'s to name or average
+        except actor_died_errors():  # (ObjectLostError included) each group is `mean`'s
             return
         for g, m in zip(todo, means):
             if m is not None:

@@ -297,18 +297,21 @@ def bucket_layout(layout: ExchangeLayout, min_bytes: int) -> ExchangeLayout:
     shards = layout.plan.shards
     num_ps = max(1, layout.num_ps)
     total = sum(s.nbytes for s in shards)
-    min_bytes = max(min(min_bytes, -(-total // num_ps)),  # (no more than the PS's threads take)
+    share = -(-total // num_ps)  # one PS's share of the gradient
+    min_bytes = max(min(min_bytes, share),  # (no more than the PS's threads take)
                     -(-total // (constants.MAX_BUCKETS_PER_PS * num_ps)))
     buckets, current, size = [], [], 0
     for j, shard in enumerate(shards):
         current.append(j)
         size += shard.nbytes
         following = shards[j + 1].nbytes if j + 1 < len(shards) else 0
-        # Closed at min_bytes, or before a shard that would take it past 1.5 x min_bytes:
-        # shards of about one PS's share each (shard_bytes = G / num_ps, a little
-        # under min_bytes once padded and cut) stay one per bucket and per PS,
-        # rather than pairing up on half of the PS actors.
-        if size >= min_bytes or size + following > 1.5 * min_bytes:
+        # Closed at min_bytes; and where min_bytes is one PS's share, also at 3/4 of it
+        # when the next shard would take it past 1.5 x: shards of about one share each
+        # (shard_bytes = G / num_ps, a little under it once padded and cut) then stay
+        # one per bucket and per PS rather than pairing up on half of the PS actors.
+        # (Every bucket but the last holds >= 3/4 of a share: at most 4/3 x num_ps + 1.)
+        if size >= min_bytes or (min_bytes == share and size >= 0.75 * min_bytes
+                                 and size + following > 1.5 * min_bytes):
             buckets.append(tuple(current))
             current, size = [], 0
     if current:
