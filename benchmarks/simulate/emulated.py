@@ -51,7 +51,7 @@ link floor), so by default the links of N nodes add up to a fixed 640 Mbit/s
 (320 / 160 / 80 Mbit/s per node for 2 / 4 / 8 nodes).
 
 Per-step times: under the workers' own exchange (dsgd's default) one actor call
-runs up to max(8, 2 x N) steps and train() gives each of them the call's mean, so
+runs up to max(8, 4 x N) steps and train() gives each of them the call's mean, so
 `step_times` (one list per measured train() call) are per-call means, and `step_s`
 is the median over the `--rounds` train() calls of their median.
 
@@ -508,6 +508,11 @@ class EmulatedCluster:
             with contextlib.suppress(Exception):
                 self.cluster.shutdown()
             self.cluster = None
+        for key, value in getattr(self, "_env", {}).items():  # (a later cluster: Ray's own)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         killed = []
         for ns in self._made_netns:
             killed += _kill_netns_processes(ns)
@@ -590,6 +595,7 @@ class EmulatedCluster:
         import ray
         from ray.cluster_utils import Cluster
 
+        self._env = {key: os.environ.get(key) for key in (*RAY_ENV, MARKER)}
         for key, value in RAY_ENV.items():
             os.environ.setdefault(key, value)
         os.environ[MARKER] = HEAD_IP
@@ -697,7 +703,7 @@ def run_dsgd(cluster: EmulatedCluster, model: dict, steps: int, warmup: int, *,
     Returns "step_s" (the median over the rounds of each train()'s median step
     time), "round_step_s" (each round's), "step_times" (each round's per-step times
     as train() records them: under the workers' own exchange one actor call runs
-    up to max(8, 2 x N) steps, and each of its steps gets the call's mean, so these
+    up to max(8, 4 x N) steps, and each of its steps gets the call's mean, so these
     vary per call, not per step), "mean_times" (train()'s, averaged over the
     rounds), where the workers and PS actors ran ("head"/"n{i}"), the bytes through
     every node's shaped uplink/downlink during the measured rounds (and per step),
@@ -801,7 +807,7 @@ def main(argv=None) -> int:
             os.remove(path)
 
     result = {"description": "dsgd on an emulated cluster: one Ray node per network namespace, "
-                             "each behind an htb+netem shaped veth (see emulated.py's docstring)",
+                             "each behind an htb-shaped veth (see emulated.py's docstring)",
               "command": " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
               "platform": None, "clusters": [], "runs": []}
     began = time.perf_counter()

@@ -37,11 +37,12 @@ What is simulated (read from the code, `dsgd/worker/worker.py` and
   PS group (`exchange_layout`), put and sent when the compute ends, metas riding
   with them; the worker waits for every answer, pulls every mean in parallel
   and applies once.
-- **ring** (Horovod): every `cycle_s` its background thread fuses the ready
-  gradients (in the order they became ready, up to `fusion_bytes`) and
-  allreduces the buffer over a ring of N·D ranks: 2(ND−1) steps of
-  S/(ND) bytes, each through one NIC direction, plus the per-step latency
-  α; buffers are allreduced one at a time. The optimizer runs on the GPU when
+- **ring** (Horovod): when the previous allreduce is done, its background
+  thread's next cycle fuses the ready gradients (in the order they became
+  ready, up to `fusion_bytes`) and allreduces the buffer over a ring of N·D
+  ranks: 2(ND−1) steps of S/(ND) bytes, each through one NIC direction, plus
+  the per-step latency α (or hierarchically with D > 1, whichever is faster);
+  buffers are allreduced one at a time. The optimizer runs on the GPU when
   the last gradient is reduced.
 - **byteps** (BytePS, one server per node): gradients cut into partitions of
   `partition_bytes`, assigned to servers round-robin; a worker pushes each
@@ -507,8 +508,8 @@ def _result(ends: dict, state: dict, steps: int, n: int, **extra) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class RingParams:
-    """Horovod's defaults (docs/tensor-fusion.rst, docs/autotune.rst of Horovod 0.28):
-    HOROVOD_FUSION_THRESHOLD 128 MiB, HOROVOD_CYCLE_TIME 1 ms."""
+    """Horovod's defaults since v0.21 (its CHANGELOG; the tensor-fusion doc still says
+    64 MB): HOROVOD_FUSION_THRESHOLD 128 MiB, HOROVOD_CYCLE_TIME 1 ms."""
 
     fusion_bytes: int = 128 * 2**20
     cycle_s: float = 1e-3
@@ -544,7 +545,8 @@ def simulate_ring(w: Workload, hw: Hardware, workers: int, *, compression: str |
         # Flat ring over n = N·D ranks: 2(n-1) steps of S/n bytes, each NIC carrying its
         # node's inter-node edge; or, with D > 1, Horovod's hierarchical allreduce: an
         # NVLink reduce-scatter in the node, a ring over the N nodes (each of the D
-        # ranks on its 1/D slice, sharing the NIC), an NVLink all-gather. The faster.
+        # ranks on its 1/D slice, sharing the NIC), an NVLink all-gather
+        # (HOROVOD_HIERARCHICAL_ALLREDUCE, off by default). The faster: favourable.
         flat = 2 * (n - 1) * (nbytes / n / hw.rate + per_step_latency)
         nodes = workers
         hier = (2 * (d - 1) / d * nbytes / hw.nvlink_bw
