@@ -5,8 +5,12 @@ benchmarks/simulate/check.py), simulated from the committed calibration
 (benchmarks/results/simulate_calibration.json) and the link measured here.
 
 A step that grows past the band (a new per-step round trip, bytes sent twice,
-reads serialised again) fails here before a user sees it on a cluster. Needs
-root (network namespaces, tc); runs last, on its own Ray cluster."""
+phases that stop overlapping) fails here before a user sees it on a cluster.
+It runs the compute-free model, so CPU workers' path (the gradient sent after
+the backward pass): the overlapped path's two-node runs measured 1.24 x the
+simulation, too close to the band's edge for a check (docs/scaling.md). Needs
+root (network namespaces, tc); skipped without (with the reason); runs last, on
+its own Ray cluster."""
 
 import json
 import os
