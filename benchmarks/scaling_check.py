@@ -28,6 +28,7 @@ Writes benchmarks/results/scaling_check.json (scaling_model.py reads its
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -189,6 +190,26 @@ def microbenchmarks(other_node: str) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def two_nodes():
+    """Two Ray nodes with separate object stores on this machine (one CPU each), the
+    driver connected: yields the other node's id. Shut down on exit."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "object_store_memory": NODE_STORE_BYTES, "include_dashboard": False})
+    cluster.add_node(num_cpus=1, object_store_memory=NODE_STORE_BYTES)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        head = ray.get_runtime_context().get_node_id()
+        yield next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
 def plain_step_s(mib: float, num_variables: int, steps: int) -> float:
     """A plain single-process tf.function step (gradient fill + SGD update)."""
     import tensorflow as tf
@@ -246,19 +267,9 @@ def main():
         report(result, args.out)
         return
 
-    import ray
-    from ray.cluster_utils import Cluster
-
     started = time.perf_counter()
     plain = {(mib, v): plain_step_s(mib, v, 15) for mib, v, *_ in RUNS}
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": NODE_STORE_BYTES, "include_dashboard": False})
-    cluster.add_node(num_cpus=1, object_store_memory=NODE_STORE_BYTES)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        head = ray.get_runtime_context().get_node_id()
-        other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
+    with two_nodes() as other:
         micro = microbenchmarks(other)
         runs = []
         dsgd_run(*RUNS[0][:4], None, 3)  # the cluster's first dsgd run is slower: not kept
@@ -270,9 +281,6 @@ def main():
             print(f"{mib:6.2f} MiB P={num_ps} {compression or 'fp32'}: "
                   f"step {1e3 * r['step_s']:.1f} ms (train {1e3 * r['train_step_s']:.1f})",
                   flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
     calibration = dict(micro, step_s=0.0)
     result = {"benchmark": "scaling_check", "machine": f"{platform.machine()}, "

@@ -170,29 +170,16 @@ def main(argv=None) -> dict:
                    help="the emulated link of the pull measurement (Mbit/s per direction)")
     args = p.parse_args(argv)
 
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from scaling_check import NODE_STORE_BYTES, microbenchmarks
+    from scaling_check import microbenchmarks, two_nodes
 
     started = time.perf_counter()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": NODE_STORE_BYTES, "include_dashboard": False})
-    cluster.add_node(num_cpus=1, object_store_memory=NODE_STORE_BYTES)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        head = ray.get_runtime_context().get_node_id()
-        other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
+    with two_nodes() as other:
         micro = microbenchmarks(other)
         print("Ray and PS costs measured", flush=True)
         steps = {}
         for m in models_of(args.emulated):
             steps[model_key(m)] = one_worker_step(m)
             print(f"one worker, {model_key(m)}: {1e3 * steps[model_key(m)]:.1f} ms", flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     applied = apply_line()
     print("host apply measured", flush=True)
     shaped = shaped_pulls(args.link_mbit)
