@@ -287,8 +287,9 @@ def bucket_layout(layout: ExchangeLayout, min_bytes: int) -> ExchangeLayout:
     shards (so of consecutive variables, which the backward pass makes at about
     the same time; the plan packs the last variables first, so bucket 0 is the
     first the backward pass makes), each at least `min_bytes` or the gradient's share of one
-    PS, whichever is less (but the last: so that every PS gets work), and never more than
-    `constants.MAX_BUCKETS_PER_PS` per PS, each
+    PS, whichever is less (but the last: so that every PS gets work; and, where that is
+    the share, from 3/4 of it when the next shard would make 1.5 shares), about
+    `constants.MAX_BUCKETS_PER_PS` per PS at most, each
     bucket on the PS least loaded by the buckets before it (ties: the lower
     index), so that buckets made one after the other in the backward pass go
     to different PS actors. The PS actors are `layout`'s."""
