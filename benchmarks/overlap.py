@@ -14,15 +14,21 @@ layers above it have waited: gradients become ready during the backward pass,
 in reverse layer order, as on a GPU. Gradients are cheap constant fills of the
 weight's shape (the exchange moves real 4 MiB tensors).
 
-Six configurations, interleaved in `--rounds` rounds (medians over the rounds
-of each one's median step over `--steps` steps of `train()`):
+Eight configurations, interleaved in `--rounds` rounds (medians over the rounds
+of each one's median step over `--steps` steps of `train()`, batches from a
+`dsgd.Dataset` as in real training):
 - `one, compute`: one worker, the sleeps (no exchange): the compute alone;
-- `two, compute, overlapped` / `after backward`: two workers, the sleeps,
-  the gradient sent during the backward pass (`overlap=True`, what `gpu=True`
-  does by default: the sleeps leave the CPU free as a GPU does) or after it
-  (`overlap=False`, the step before issue 35): compute + whatever of the
-  exchange is not hidden behind it;
-- the same three with zero sleeps: their differences are each exchange's own cost.
+- `two, compute, overlapped`: two workers, the sleeps, the gradient sent during
+  the backward pass (`overlap=True`, what `gpu=True` does by default: the sleeps
+  leave the CPU free as a GPU does), each step applied inside the next step's
+  compiled call, beside its forward pass (a layer's forward sleep starts once
+  its weight is read, i.e. updated), except a call's last step;
+- `two, compute, overlapped, applied before the next`: the same, each step
+  applied before the next begins (`Worker.defer_apply` False: issue 35 before
+  its item 3);
+- `two, compute, after backward`: sent after the backward pass (`overlap=False`,
+  the step before issue 35): compute + whatever of the exchange is not hidden;
+- the same four with zero sleeps: their differences are each path's own cost.
 
 `exposed = (two, compute) - (one, compute)`; `own = (two, no compute) - (one, no
 compute)`, for each path; the figure of merit is the overlapped path's
@@ -42,6 +48,7 @@ worker), two workers each, one instance per model: R rounds of `--real-steps`
 steps of `train()` with the gradient sent during the backward pass, then the
 same with it sent after (Worker.overlap False, the step before issue 35),
 interleaved on the same workers; the median step time of each, and their ratio.
+(Their batches come from get_batch: each step is applied before the next.)
 """
 
 from __future__ import annotations
@@ -87,7 +94,8 @@ class SleepyModel(dsgd.Model):
 
         @tf.custom_gradient
         def layer(x, w):
-            y = forward_wait(x) + 0.0 * w[0, 0]
+            # (the layer's "kernel" starts once its weight is read: after its update)
+            y = forward_wait(x + 0.0 * w[0, 0])
 
             def grad(dy):
                 dy = backward_wait(dy)
@@ -116,19 +124,28 @@ class SleepyModel(dsgd.Model):
         return self.optimizer
 
 
-# (workers, emulated compute, overlap): two workers both overlapped (the gradient sent
-# during the backward pass) and not (sent after it, the step before issue 35).
-CONFIGS = [("one", True, False), ("two", True, True), ("two", True, False),
-           ("one", False, False), ("two", False, True), ("two", False, False)]
+# (workers, emulated compute, path): two workers overlapped (the gradient sent during
+# the backward pass, each step applied in the next step's compiled call, beside its
+# forward pass), overlapped but each step applied before the next begins (before
+# item 3 of issue 35), and after the backward pass (the step before issue 35).
+OVERLAPPED, APPLIED_BEFORE, AFTER = "overlapped", "overlapped, applied before the next", \
+    "after backward"
+CONFIGS = [("one", True, None), ("two", True, OVERLAPPED), ("two", True, APPLIED_BEFORE),
+           ("two", True, AFTER), ("one", False, None), ("two", False, OVERLAPPED),
+           ("two", False, APPLIED_BEFORE), ("two", False, AFTER)]
 
 
-def label(workers: str, compute: bool, overlap: bool) -> str:
+def label(workers: str, compute: bool, path: str | None) -> str:
     return (f"{workers}, {'compute' if compute else 'no compute'}"
-            + ("" if workers == "one" else ", overlapped" if overlap else ", after backward"))
+            + ("" if workers == "one" else f", {path}"))
 
 
-def run(workers: str, compute: bool, overlap: bool, args, timeline: str | None = None) -> dict:
+def run(workers: str, compute: bool, path: str | None, args,
+        timeline: str | None = None) -> dict:
+    import numpy as np
+
     n = 1 if workers == "one" else 2
+    overlap = path in (OVERLAPPED, APPLIED_BEFORE)
     forward = args.forward_ms / 1e3 if compute else 0.0
     backward = args.backward_ms / 1e3 if compute else 0.0
     sgd = dsgd.DistributedSGD(lambda w, d: SleepyModel(args.layers, forward, backward), n, 1,
@@ -138,10 +155,17 @@ def run(workers: str, compute: bool, overlap: bool, args, timeline: str | None =
                               # gpu=True would by default)
                               overlap=overlap)
     try:
-        sgd.train(args.warmup)
-        summary = sgd.train(args.steps)
-        return {"config": label(workers, compute, overlap), "workers": n, "compute": compute,
-                "overlap": overlap, "median_step_ms": 1e3 * summary["step_s"],
+        if path == APPLIED_BEFORE:
+            sgd.foreach_worker(lambda w: setattr(w, "defer_apply", False))
+        # (batches from a dataset, as in real training: a step is applied in the next
+        # step's call only then, as get_batch may read the model's state)
+        data = dsgd.Dataset([np.ones(4, np.float32)] * (64 * BATCH), batch_size=BATCH)
+        sgd.train(args.warmup, data)
+        summary = sgd.train(args.steps, data)
+        deferred = sum(sgd.foreach_worker(lambda w: w.deferred_applies))
+        return {"config": label(workers, compute, path), "workers": n, "compute": compute,
+                "overlap": overlap, "deferred_applies": deferred,
+                "median_step_ms": 1e3 * summary["step_s"],
                 "mean_times_ms": {k: 1e3 * v for k, v in summary["mean_times"].items()}}
     finally:
         sgd.shutdown()
@@ -227,17 +251,18 @@ def main(argv=None) -> dict:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []
     for r in range(args.rounds):
-        for workers, compute, overlap in CONFIGS:
-            row = run(workers, compute, overlap, args)
+        for workers, compute, path in CONFIGS:
+            row = run(workers, compute, path, args)
             row["round"] = r
             rows.append(row)
             print(json.dumps(row), flush=True)
     median = {label(*c): statistics.median(x["median_step_ms"] for x in rows
                                            if x["config"] == label(*c)) for c in CONFIGS}
     figures = {}
-    for name, overlap in (("overlapped", True), ("after_backward", False)):
-        exposed = median[label("two", True, overlap)] - median["one, compute"]
-        own = median[label("two", False, overlap)] - median["one, no compute"]
+    for name, path in (("overlapped", OVERLAPPED), ("applied_before_the_next", APPLIED_BEFORE),
+                       ("after_backward", AFTER)):
+        exposed = median[label("two", True, path)] - median["one, compute"]
+        own = median[label("two", False, path)] - median["one, no compute"]
         figures[name] = {"exposed_ms": exposed, "exchange_own_ms": own,
                          "exposed_over_own": exposed / own if own > 0 else None}
     # The overlapped step's exposed time against the exchange's own cost before
@@ -245,7 +270,7 @@ def main(argv=None) -> dict:
     figures["overlapped"]["exposed_over_own_after_backward"] = (
         figures["overlapped"]["exposed_ms"] / figures["after_backward"]["exchange_own_ms"])
     trace = args.timeline or os.path.join(tempfile.mkdtemp(), "overlap_trace.json")
-    run("two", True, True, args, timeline=trace)
+    run("two", True, OVERLAPPED, args, timeline=trace)
     one_step = timeline_step(trace)
     real = real_models(args) if args.real_rounds else {}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -180,6 +180,7 @@ def _unpatch(worker):
     ps_client.Sending._real = {}
     for name in ("apply", "apply_stage"):
         worker.replicas.__dict__.pop(name, None)
+    worker.__dict__.pop("_flush_pending", None)
 
 
 @pytest.mark.cluster
@@ -209,6 +210,155 @@ def test_applied_as_the_buckets_arrive_equals_single_process_training(shared, re
     assert applies == [want] * 2
 
 
+def _rows(count: int = 64) -> list:
+    rng = np.random.default_rng(7)
+    return [(rng.normal(size=tiny.IN).astype(np.float32),
+             rng.normal(size=tiny.OUT).astype(np.float32)) for _ in range(count)]
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_applied_in_the_next_steps_call_equals_applied_before_it(shared):
+    """Batches from a dataset: every step but a call's last is applied inside the
+    next step's compiled call, beside its forward pass (issue 35, item 3). Adam
+    with a schedule: the weights and optimizer state are those of applying each
+    step before the next begins, bit for bit, and those of the exchange after
+    the backward pass (within round-off); the replicas agree."""
+    sgd, reset, _ = shared
+    steps = 2 * STEPS
+    got, deferred = {}, {}
+    try:
+        for mode in ("after backward", "before the next", "in the next"):
+            reset()
+            sgd.foreach_worker(lambda w, m=mode: (setattr(w, "overlap", m != "after backward"),
+                                                  setattr(w, "defer_apply", m == "in the next")))
+            before = sgd.foreach_worker(lambda w: w.deferred_applies)
+            sgd.train(num_steps=steps, dataset=dsgd.Dataset(_rows(), batch_size=BATCH))
+            after = sgd.foreach_worker(lambda w: w.deferred_applies)
+            deferred[mode] = [a - b for a, b in zip(after, before)]
+            assert_replicas_identical(sgd)
+            got[mode] = sgd.get_weights() + [v.numpy() for v in sgd.foreach_model(
+                lambda m: m.optimizer.variables)[0]]
+    finally:
+        sgd.foreach_worker(lambda w: (setattr(w, "overlap", True), setattr(w, "defer_apply", True)))
+    # (one call of `steps` steps: each step but the last applied in the next one's call)
+    assert deferred == {"after backward": [0, 0], "before the next": [0, 0],
+                        "in the next": [steps - 1] * 2}
+    for a, b in zip(got["in the next"], got["before the next"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(got["in the next"], got["after backward"], strict=True):
+        np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
+
+
+class FailsOnRow(tiny.TinyModel):
+    """Worker 0's get_loss fails (InvalidArgumentError "fails on row") on a
+    batch with a row >= 16 (its step 3 of `_index_rows()`); its optimizer
+    sleeps `sleep_s` in the update of its last variable, so that the failure
+    comes while the update runs."""
+
+    def __init__(self, worker_index, device_index, sleep_s):
+        super().__init__(worker_index, device_index, 1, BATCH, "sgdm", seed=0)
+        self.fails = worker_index == 0
+        self.optimizer = _SlowSGD(sleep_s, learning_rate=0.1)
+
+    def get_loss(self, batch):
+        import tensorflow as tf
+
+        if not self.fails:
+            return super().get_loss(batch)
+        check = tf.debugging.assert_less(tf.reduce_max(batch[0]), 16.0, message="fails on row")
+        with tf.control_dependencies([check]):
+            return super().get_loss(batch)
+
+
+def _SlowSGD(sleep_s, fail_marker=None, **kwargs):
+    """SGD sleeping `sleep_s` in the update of the last layer's bias; with
+    `fail_marker`, that update fails (RuntimeError "update fails once") if the
+    file exists, deleting it."""
+    import keras
+    import tensorflow as tf
+
+    def slow(g):
+        time.sleep(sleep_s)
+        if fail_marker is not None and os.path.exists(fail_marker):
+            os.remove(fail_marker)
+            raise RuntimeError("update fails once")
+        return g
+
+    class SlowSGD(keras.optimizers.SGD):
+        def update_step(self, gradient, variable, learning_rate):
+            if tuple(variable.shape) == (tiny.OUT,):  # (the last layer's bias)
+                gradient = tf.ensure_shape(tf.numpy_function(
+                    slow, [gradient], gradient.dtype, stateful=False), gradient.shape)
+            super().update_step(gradient, variable, learning_rate)
+
+    return SlowSGD(**kwargs)
+
+
+def _index_rows() -> list:
+    """64 rows whose x is their index (worker w's step t reads rows 8t + 4w to 8t + 4w + 3)."""
+    return [(np.full(tiny.IN, i, np.float32), np.zeros(tiny.OUT, np.float32)) for i in range(64)]
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_a_step_failing_while_the_last_step_is_applied_in_its_call_leaves_it_applied(tmp_path):
+    """Worker 0's step 3 fails in its forward pass while the same compiled call
+    is still applying step 2 (the update of one variable sleeps): TensorFlow
+    finishes what does not depend on the failed op, so step 2's update runs
+    whole, the worker goes on and the error reaches the caller; the weights
+    are those of two steps, bit for bit, on both workers, and no worker died."""
+    with dsgd.DistributedSGD(lambda w, d: FailsOnRow(w, d, 0.5), 2, 1, gpu=False,
+                             grad_shard_bytes=100, num_ps=2, step_timeout_s=60,
+                             overlap=True) as sgd:
+        reset = Reset(sgd, str(tmp_path / "start"))
+        sgd.train(num_steps=2, dataset=dsgd.Dataset(_index_rows(), batch_size=BATCH))
+        two_steps = assert_replicas_identical(sgd)
+        reset()
+        with pytest.raises(Exception, match="fails on row"):
+            sgd.train(num_steps=4, dataset=dsgd.Dataset(_index_rows(), batch_size=BATCH))
+        for a, b in zip(assert_replicas_identical(sgd), two_steps, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert sgd.failures == []
+        assert sgd.foreach_worker(lambda w: w.deferred_applies) == [1 + 2, 1 + 2]
+
+
+class FailsApplyOnce(tiny.TinyModel):
+    """Worker 0's optimizer fails the update of its last variable once, when
+    `marker` exists (see _SlowSGD)."""
+
+    def __init__(self, worker_index, device_index, marker):
+        super().__init__(worker_index, device_index, 1, BATCH, "sgdm", seed=0)
+        self.optimizer = _SlowSGD(0.0, marker if worker_index == 0 else None,
+                                  learning_rate=0.1, momentum=0.9)
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_a_worker_whose_update_fails_in_the_next_steps_call_exits_and_is_recovered(tmp_path):
+    """Worker 0's update of step 2, run in step 3's compiled call, fails: part
+    of step 2 may be applied, so the worker exits (its weights would be
+    neither step's); the driver recovers it like any dead worker and the
+    weights are those of an uninterrupted run, bit for bit."""
+    marker = str(tmp_path / "fail")
+    with dsgd.DistributedSGD(lambda w, d: FailsApplyOnce(w, d, marker), 2, 1, gpu=False,
+                             grad_shard_bytes=100, num_ps=2, step_timeout_s=60,
+                             overlap=True) as sgd:
+        reset = Reset(sgd, str(tmp_path / "start"))
+        sgd.train(num_steps=4, dataset=dsgd.Dataset(_index_rows(), batch_size=BATCH))
+        uninterrupted = assert_replicas_identical(sgd)
+        reset()
+        dataset = dsgd.Dataset(_index_rows(), batch_size=BATCH)
+        sgd.train(num_steps=1, dataset=dataset)
+        open(marker, "w").close()
+        sgd.train(num_steps=3, dataset=dataset)
+        assert not os.path.exists(marker)  # (it failed once)
+        assert len(sgd.failures) == 1 and "worker(s) 0 died" in sgd.failures[0]["reason"], \
+            sgd.failures
+        for a, b in zip(assert_replicas_identical(sgd), uninterrupted, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def _kill_before_sending(bucket: int, pid: int):
     """Patch, in a worker's process, `Sending.send` so that the worker about to
     send `bucket` of the next step first kills the PS process `pid` (the first
@@ -235,6 +385,14 @@ def _kill_before_sending(bucket: int, pid: int):
 
         ps_client.Sending.send = send
         worker.fell_back_before = worker.fell_back
+        worker.flushes = []  # at each call's end: whether a decided step was still to apply
+        flush = worker._flush_pending
+
+        def flushing():
+            worker.flushes.append(worker._pending is not None)
+            flush()
+
+        worker._flush_pending = flushing
     return patch
 
 
@@ -266,29 +424,35 @@ def test_one_worker_applying_in_two_updates_and_one_at_once_stay_bit_identical(s
 
 @pytest.mark.cluster
 @pytest.mark.usefixtures("ray_local")
-def test_a_ps_dead_after_the_step_is_decided_the_workers_average_its_bucket(shared):
+@pytest.mark.parametrize("data", ["get_batch", "dataset"])
+def test_a_ps_dead_after_the_step_is_decided_the_workers_average_its_bucket(shared, data):
     """The PS of the last bucket dies as step 3's last bucket leaves: every worker
     has decided step 3 (PS 0 gathers the metas), applies bucket 0, then averages
     the last bucket itself from both workers' parts, exactly as the PS would;
     step 4 then stops at its start naming the dead PS, which the driver
     replaces, and step 4 is run again. The weights are those of an
-    uninterrupted run, bit for bit."""
+    uninterrupted run, bit for bit. With a dataset, step 3 is applied when step
+    4 stops (it was to be applied in step 4's compiled call)."""
     sgd, reset, _ = shared
     reset()
-    for _ in range(STEPS):
-        sgd.step()
+    dataset = dsgd.Dataset(_rows(), batch_size=BATCH) if data == "dataset" else None
+    sgd.train(num_steps=STEPS, dataset=dataset)
     uninterrupted = sgd.get_weights()
     reset()
-    sgd.step()
-    sgd.step()
+    dataset = dsgd.Dataset(_rows(), batch_size=BATCH) if data == "dataset" else None
+    sgd.train(num_steps=2, dataset=dataset)
     failures = len(sgd.failures)
     last = len(sgd.foreach_worker(lambda w: w._buckets.groups)[0]) - 1
     ps = sgd.foreach_worker(lambda w: w._buckets.ps_of_group[-1])[0]
     assert ps != 0  # (PS 0 gathers the metas: it must live for the step to be decided)
     pid = ray.get(sgd.ps_actors[ps].ping.remote(), timeout=60)["pid"]
     sgd.foreach_worker(_kill_before_sending(last, pid))
+    deferred = sgd.foreach_worker(lambda w: w.deferred_applies)
     try:
-        sgd.train(num_steps=2)
+        sgd.train(num_steps=2, dataset=dataset)
+        deferred = [a - b for a, b in zip(sgd.foreach_worker(lambda w: w.deferred_applies),
+                                          deferred)]
+        flushes = sgd.foreach_worker(lambda w: w.flushes)
     finally:
         sgd.foreach_worker(_unpatch)
     fell_back = sgd.foreach_worker(lambda w: w.fell_back - w.fell_back_before)
@@ -296,5 +460,9 @@ def test_a_ps_dead_after_the_step_is_decided_the_workers_average_its_bucket(shar
     assert len(sgd.failures) == failures + 1, sgd.failures
     assert f"PS actor(s) {ps} died" in sgd.failures[-1]["reason"]
     assert sgd.steps_done == STEPS and len(sgd.ps_actors) == 2
+    # With a dataset step 3 was kept for step 4's call, and applied when step 4 stopped
+    # at its start; step 4, run again, was its call's last.
+    assert deferred == [0, 0]
+    assert flushes == [[data == "dataset", False]] * 2
     for got, want in zip(assert_replicas_identical(sgd), uninterrupted, strict=True):
         np.testing.assert_array_equal(got, want)

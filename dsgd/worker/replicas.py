@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -134,6 +135,7 @@ class Replicas:
         self._stages: dict = {}  # shard groups -> [_Stage], for apply_stage
         self._sending_fns: dict = {}  # shard groups -> compiled compute_sending
         self.sender: Callable | None = None  # compute_sending's receiver, set per step
+        self.pending_applied, self.applied_at = True, None  # compute_sending(pending=...)
 
     def local_step(self, batches: list | None = None):
         """Batches (one per replica; None: each replica's `get_batch()`) ->
@@ -152,7 +154,8 @@ class Replicas:
         on every replica."""
         return self._compute_fn(self._tensors(batches))
 
-    def compute_sending(self, groups: tuple[tuple[int, ...], ...], batches: list | None = None):
+    def compute_sending(self, groups: tuple[tuple[int, ...], ...], batches: list | None = None,
+                        pending: list | None = None):
         """`compute`, but the gradient leaves during the backward pass: for each
         group of shard indices in `groups`, one op of the compiled step, whose
         inputs are the wire gradients of the variables with pieces in those
@@ -165,15 +168,61 @@ class Replicas:
         ready (typically the last layers first); every group's call has
         returned when this returns. A sender that raises fails the step (the
         error is raised here). Returns (losses [D], finite [D], metrics {name:
-        [D]}): the step's figures, the gradient itself having left."""
-        fn = self._sending_fns.get(groups)
-        if fn is None:
-            import tensorflow as tf
+        [D]}): the step's figures, the gradient itself having left.
 
+        `pending`: the last step's mean shards (as `apply` takes them, kept
+        alive and unchanged by the caller until this returns), applied first in
+        the same compiled call, exactly as `apply` would: TensorFlow orders each
+        variable's reads after its update within one tf.function, so the forward
+        pass of the first layers runs while the later layers' variables are
+        still being updated (issue 35, item 3). Afterwards, even after an error,
+        `pending_applied` says whether that update ran whole (True), may have
+        run in part (False) or did not run at all (None: the call failed before
+        running, e.g. tracing), and `applied_at` (perf_counter) when it was
+        done. Not in eager mode."""
+        import tensorflow as tf
+
+        key = (groups, pending is not None)
+        fn = self._sending_fns.get(key)
+        if fn is None:
             graph = functools.partial(self._compute_sending_graph, groups)
-            fn = self._sending_fns[groups] = graph if self.eager else \
+            if pending is not None:
+                if self.eager:
+                    raise DsgdError("compute_sending: a pending apply needs the compiled step "
+                                    "(not eager mode)")
+                graph = functools.partial(self._apply_then_sending_graph, groups)
+            fn = self._sending_fns[key] = graph if self.eager else \
                 tf.function(graph, reduce_retracing=True)
-        return fn(self._tensors(batches))
+        if pending is None:
+            return fn(self._tensors(batches))
+        addresses, byte_sizes = self._shard_addresses(pending)
+        tensors = self._tensors(batches)
+        self.pending_applied, self.applied_at = None, None
+        fn.get_concrete_function(tensors, addresses, byte_sizes)  # (an error tracing: none ran)
+        self.pending_applied = False
+        return fn(tensors, addresses, byte_sizes)
+
+    def _apply_then_sending_graph(self, groups, batches, addresses, byte_sizes):
+        import tensorflow as tf
+
+        self._apply_graph(addresses, byte_sizes)
+        # Read after the update of every variable (model and optimizer: tf.function
+        # orders them), then note it: the caller learns whether the update ran whole.
+        # (The note's input is read from a variable: a constant one would let grappler
+        # run the note once, at the first call, and fold it away.)
+        reads = [tf.reshape(tf.convert_to_tensor(v), [-1])
+                 for i in range(len(self.replicas))
+                 for v in (*self.variables[i], *self.optimizer_variables(i))]
+        sized = [r for r in reads if r.shape.num_elements() != 0]
+        with tf.control_dependencies(reads):
+            whole = tf.identity(sized[0][:1]) if sized else tf.zeros([1])
+        noted = tf.numpy_function(self._note_applied, [whole], tf.bool, stateful=not sized)
+        losses, finite, metrics, sent = self._compute_sending_graph(groups, batches)
+        return losses, finite, metrics, tf.concat([sent, tf.reshape(noted, [1])], 0)
+
+    def _note_applied(self, whole) -> np.ndarray:
+        self.pending_applied, self.applied_at = True, time.perf_counter()
+        return np.True_
 
     def _compute_sending_graph(self, groups, batches):
         import tensorflow as tf
@@ -216,6 +265,11 @@ class Replicas:
         the plan's shards, e.g. read-only object-store views) to every replica.
         The op reads them in place where it can, so they must stay alive and
         unchanged until this call returns; they are not kept afterwards."""
+
+        self._apply_fn(*self._shard_addresses(shards))
+
+    def _shard_addresses(self, shards):
+        """(addresses, byte sizes) of `apply`'s shards, as int64 tensors, once checked."""
         import tensorflow as tf
 
         if len(shards) != self.plan.num_shards:
@@ -223,9 +277,8 @@ class Replicas:
                             f"the plan has {self.plan.num_shards}")
         for j, array in enumerate(shards):
             self._check_shard(j, array)
-        addresses = tf.constant([dlpack.buffer_address(a) for a in shards], tf.int64)
-        byte_sizes = tf.constant([a.nbytes for a in shards], tf.int64)
-        self._apply_fn(addresses, byte_sizes)
+        return (tf.constant([dlpack.buffer_address(a) for a in shards], tf.int64),
+                tf.constant([a.nbytes for a in shards], tf.int64))
 
     def apply_stage(self, groups: tuple[tuple[int, ...], ...], k: int, shards: dict) -> bool:
         """Stage `k` of a step applied group by group (`groups[g]`: the shard

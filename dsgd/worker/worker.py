@@ -27,6 +27,7 @@ passes `data`, from the loader that `attach_data` installed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -42,6 +43,18 @@ from dsgd.errors import DsgdError
 from dsgd.model import Model
 from dsgd.worker.replicas import Replicas
 from dsgd.comm.sharding import ShardPlan
+
+
+@dataclasses.dataclass
+class _Pending:
+    """An overlapped step decided and read, whose update runs in the next step's
+    compiled call (Replicas.compute_sending's `pending`): the forward pass of
+    the first layers then overlaps the update of the others. Kept only within
+    one exchange_steps call (flushed at its end, so that weights read between
+    calls are the applied step's)."""
+    sending: Any            # the step's Sending (its means are released once applied)
+    shards: list            # the mean of every shard, by shard index (read-only views)
+    step: int               # the timeline's step number
 
 
 class Worker:
@@ -64,6 +77,12 @@ class Worker:
         # least this share of the gradient's bytes (constants.APPLY_SPLIT_MIN_PENDING).
         self.split_apply = constants.APPLY_SPLIT_MIN_PENDING
         self.fell_back = 0  # buckets this worker averaged itself (their PS died)
+        # Overlapped steps: apply a decided step's means inside the next step's compiled
+        # call when one follows in the same exchange_steps call (`_Pending`).
+        self.defer_apply = True
+        self.deferred_applies = 0  # steps applied so, in all
+        self._pending: _Pending | None = None
+        self._next_in_call = False  # _exchange_steps: another step follows this one
         self._metas_kept = 0  # exchange_steps: how many of them to keep at least
         self.replicas = Replicas(model_creator, worker_index, devices_per_worker, gpu,
                                  all_reduce_alg)
@@ -261,6 +280,11 @@ class Worker:
         try:
             return self._exchange_steps(datas, seqs, run, compact, reporter)
         finally:
+            # A step decided last in this call, or before one that stopped, and kept for
+            # the next step's compiled call (`_Pending`): applied now, so that what is
+            # read between calls (weights, checkpoints) is every decided step's.
+            self._next_in_call = False
+            self._flush_pending()
             # This call's last step's parts (kept for a peer's fallback) are not kept
             # beyond the call, so the store drains between calls; but after a fallback
             # (a PS died) they are kept until the driver has replaced it (`join`): the
@@ -279,7 +303,10 @@ class Worker:
         infos = []
         if datas is None:
             datas = [None] * len(seqs)
-        for data, seq in zip(datas, seqs):
+        for k, (data, seq) in enumerate(zip(datas, seqs)):
+            # (a step whose batches come from get_batch is applied before it is called:
+            # get_batch may read the model's state, e.g. its optimizer's iteration count)
+            self._next_in_call = k + 1 < len(seqs) and datas[k + 1] is not None
             try:
                 info = self._exchange_step(data, seq)
             except (*actor_died_errors(), StepTimeoutError, ExchangeAbandoned) as e:
@@ -415,6 +442,8 @@ class Worker:
             sending.send(g, tuple(arrays[p.var_index][p.var_offset:p.var_offset + p.length]
                                   for j in buckets.groups[g] for p in shards[j].pieces))
 
+        pending = self._pending  # the last step's means, applied in this step's call
+        fused = None
         try:
             batches, samples = self._batches(data)
             data_s = time.perf_counter() - start
@@ -422,10 +451,21 @@ class Worker:
             if batches is not None:
                 self.replicas.sender = send
                 try:
-                    computed = self.replicas.compute_sending(buckets.groups, batches)
+                    fused = time.perf_counter() if pending is not None else None
+                    computed = self.replicas.compute_sending(
+                        buckets.groups, batches, pending=None if pending is None else pending.shards)
                 finally:
                     self.replicas.sender = None
+                if fused is not None:
+                    self._pending_applied(pending, fused)
         except Exception as e:
+            if fused is not None and self._pending is pending:
+                ran = self.replicas.pending_applied
+                if ran is False:  # (the last step's update may have run in part)
+                    self._exit_partly_applied(e, self.applied_steps)
+                if ran:
+                    self._pending_applied(pending, fused)
+                # (else it did not run: exchange_steps applies it on its own, or raises)
             try:  # no PS or peer waits for this worker's gradient: they stop now
                 sending.send_rest()
                 sending.metas(commit.meta(self.worker_index, None, None, e))
@@ -455,7 +495,8 @@ class Worker:
             apply_s = self._apply_arriving(sending, buckets)
             self.applied_steps += 1
             self._freeze_gc_once()
-        sending.release_means()
+        if self._pending is None or self._pending.sending is not sending:
+            sending.release_means()
         if sending.fell_back:
             self.fell_back += len(sending.fell_back)
             self._dead_ps = sorted({buckets.ps_of_group[g] for g in sending.fell_back})
@@ -476,12 +517,19 @@ class Worker:
         be applied in parts (`per_group_blocker`). A worker that cannot finish
         a step it has begun to apply exits: its weights would be neither the
         step's nor the last (the driver recovers it like any dead worker).
-        Returns the seconds spent applying."""
+        When another step follows in this exchange_steps call (and
+        `defer_apply`), the means are only read: the step is applied, whole, in
+        the next step's compiled call, beside its forward pass (`_Pending`).
+        Returns the seconds spent applying here."""
         from dsgd.comm import timeline
 
         tl = timeline.recorder()
         step = sending.seq & ((1 << 32) - 1)
         count = len(buckets.groups)
+        if self.defer_apply and self._next_in_call and not self.replicas.eager:
+            means = self._read_means(sending, buckets, tuple(range(count)))
+            self._pending = _Pending(sending, [means[j] for j in range(len(means))], step)
+            return 0.0
         ready = sending.ready_prefix()
         nbytes = [sum(self.replicas.plan.shards[j].nbytes for j in g) for g in buckets.groups]
         pending = sum(nbytes[ready:]) / max(1, sum(nbytes))
@@ -494,16 +542,7 @@ class Worker:
         apply_s, begun = 0.0, False
         try:
             for k, stage in enumerate(stages):
-                reading = time.perf_counter()
-                sending.read(stage)  # in parallel (see Sending.read); then each from there
-                for b in stage:
-                    # (the stage's first group's receive span holds the parallel read)
-                    waited = reading if b == stage[0] else time.perf_counter()
-                    means.update(zip(buckets.groups[b], sending.mean(b)))
-                    if tl.on:
-                        to_wall = time.time() - time.perf_counter()
-                        tl.add(f"receive group {b}", "receive", waited + to_wall,
-                               time.perf_counter() + to_wall, step=step)
+                means.update(self._read_means(sending, buckets, stage))
                 arrived = time.perf_counter()
                 if len(stages) == 1:
                     self.replicas.apply([means[j] for j in range(self.replicas.plan.num_shards)])
@@ -521,11 +560,69 @@ class Worker:
             raise
         return apply_s
 
-    def _exit_partly_applied(self, e: BaseException) -> None:
+    def _read_means(self, sending, buckets, stage) -> dict:
+        """{shard index: mean} of the buckets in `stage`, read in parallel
+        (Sending.read), then each from there; the timeline's receive spans (the
+        stage's first bucket's holds the parallel read). Blocks (Sending.read)."""
+        from dsgd.comm import timeline
+
+        tl = timeline.recorder()
+        step = sending.seq & ((1 << 32) - 1)
+        means: dict = {}
+        reading = time.perf_counter()
+        sending.read(stage)
+        for b in stage:
+            waited = reading if b == stage[0] else time.perf_counter()
+            means.update(zip(buckets.groups[b], sending.mean(b)))
+            if tl.on:
+                to_wall = time.time() - time.perf_counter()
+                tl.add(f"receive group {b}", "receive", waited + to_wall,
+                       time.perf_counter() + to_wall, step=step)
+        return means
+
+    def _pending_applied(self, pending: _Pending, started: float) -> None:
+        """`pending` was applied, whole, in the compiled call begun at `started`
+        (compute_sending): release its means and draw the timeline's apply span
+        (from the call's start to the end of the update)."""
+        from dsgd.comm import timeline
+
+        self._pending = None
+        self.deferred_applies += 1
+        pending.sending.release_means()
+        tl = timeline.recorder()
+        if tl.on and self.replicas.applied_at is not None:
+            to_wall = time.time() - time.perf_counter()
+            tl.add(f"apply group {', '.join(map(str, range(len(self._buckets.groups))))} "
+                   "(in the next step's call)", "apply", started + to_wall,
+                   self.replicas.applied_at + to_wall, step=pending.step)
+
+    def _flush_pending(self) -> None:
+        """Apply a decided step kept for the next step's compiled call (`_Pending`)
+        now: the call's last step, or the next did not get that far. An error
+        applying it is raised, as `apply` raises it for a step applied at once."""
+        from dsgd.comm import timeline
+
+        pending = self._pending
+        if pending is None:
+            return
+        started = time.perf_counter()
+        self._pending = None
+        try:
+            self.replicas.apply(pending.shards)
+        finally:
+            pending.sending.release_means()
+        tl = timeline.recorder()
+        if tl.on:
+            to_wall = time.time() - time.perf_counter()
+            tl.add(f"apply group {', '.join(map(str, range(len(self._buckets.groups))))}",
+                   "apply", started + to_wall, time.perf_counter() + to_wall, step=pending.step)
+
+    def _exit_partly_applied(self, e: BaseException, step: int | None = None) -> None:
         import sys
         import traceback
 
-        print(f"dsgd worker {self.worker_index}: exiting: step {self.applied_steps + 1} "
+        step = self.applied_steps + 1 if step is None else step
+        print(f"dsgd worker {self.worker_index}: exiting: step {step} "
               f"was partly applied when {type(e).__name__}: {e}", file=sys.stderr)
         traceback.print_exc()
         sys.stderr.flush()
