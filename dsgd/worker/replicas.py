@@ -205,7 +205,21 @@ class Replicas:
     def _apply_then_sending_graph(self, groups, batches, addresses, byte_sizes):
         import tensorflow as tf
 
-        self._apply_graph(addresses, byte_sizes)
+        if self.per_group_blocker is None and len(groups) > 1:
+            # The variables the forward pass reads first (the last bucket's: the
+            # first layers') updated first, then the rest, as one apply (the
+            # stages of apply_stage); else TensorFlow may update them last.
+            first = (groups[-1], tuple(j for g in groups[:-1] for j in g))
+            done: list = []
+            for var_ids, _, holds in self._stage_plan(first):
+                if var_ids:
+                    with tf.control_dependencies(done):
+                        grads = ops.read_shards(addresses, byte_sizes, self.plan, var_ids)
+                    self._apply_means([grads] * len(self.replicas), var_ids, holds)
+                    done = [tf.convert_to_tensor(self.variables[i][v])
+                            for i in range(len(self.replicas)) for v in var_ids]
+        else:
+            self._apply_graph(addresses, byte_sizes)
         # Read after the update of every variable (model and optimizer: tf.function
         # orders them), then note it: the caller learns whether the update ran whole.
         # (The note's input is read from a variable: a constant one would let grappler
@@ -323,17 +337,25 @@ class Replicas:
         import tensorflow as tf
 
         if groups not in self._stages:
-            last = _last_group_of_variables(self.plan, groups)
-            holds = [[any(last[v] > k for v in group) for group in self.group_indices[0]]
-                     for k in range(len(groups))]
-            stages = []
-            for k in range(len(groups)):
-                var_ids = tuple(v for v in range(len(last)) if last[v] == k)
-                shard_ids = tuple(sorted({j for v in var_ids for j, _ in self.plan.pieces_of(v)}))
-                fn = tf.function(functools.partial(self._apply_stage_graph, var_ids, holds[k]))
-                stages.append(_Stage(var_ids, shard_ids, fn))
-            self._stages[groups] = stages
+            self._stages[groups] = [
+                _Stage(var_ids, shard_ids,
+                       tf.function(functools.partial(self._apply_stage_graph, var_ids, holds)))
+                for var_ids, shard_ids, holds in self._stage_plan(groups)]
         return self._stages[groups]
+
+    def _stage_plan(self, groups) -> list[tuple]:
+        """For each group k of shard indices (in the order they are applied): the
+        variables whose last piece is in group k, the shards holding them, and
+        per optimizer whether it has variables in a later stage (its iteration
+        count is then held: apply_stage)."""
+        last = _last_group_of_variables(self.plan, groups)
+        plan = []
+        for k in range(len(groups)):
+            var_ids = tuple(v for v in range(len(last)) if last[v] == k)
+            shard_ids = tuple(sorted({j for v in var_ids for j, _ in self.plan.pieces_of(v)}))
+            holds = [any(last[v] > k for v in group) for group in self.group_indices[0]]
+            plan.append((var_ids, shard_ids, holds))
+        return plan
 
     def _apply_stage_graph(self, var_ids, holds, addresses, byte_sizes):
         grads = ops.read_shards(addresses, byte_sizes, self.plan, var_ids)
