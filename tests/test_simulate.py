@@ -112,3 +112,21 @@ def test_backward_profile_runs_in_reverse():
 def test_unknown_algorithm_is_named():
     with pytest.raises(ValueError, match="algorithm must be 'dsgd', 'ring' or 'byteps'"):
         sim.simulate("nccl", flat(), FAST, FREE, 2)
+
+
+def test_cutting_the_tail_over_more_ps_keeps_the_bytes_and_moves_them_off_one_link():
+    """The what-if `tail_pieces`: the buckets whose fan-in would outlast the backward
+    pass are cut into pieces on distinct PS; the gradient's bytes are unchanged,
+    and with free calls the step can only get shorter (the tail's bytes reach
+    several PS nodes' links at once instead of one's)."""
+    w = profiles.sleepy_workload(8, 0.005, 0.01)
+    hw = sim.Hardware(link_bw=0.5e9, link_latency_s=0.0, gpu=False)
+    whole, _ = sim.dsgd_layout(w, 8, 4 * MIB, 8, None, True)
+    cut, _ = sim.dsgd_layout(w, 8, 4 * MIB, 8, None, True, tail_pieces=4, link_bw=hw.link_bw)
+    assert len(cut) > len(whole)
+    assert sum(g[0] for g in cut) == pytest.approx(sum(g[0] for g in whole))
+    assert len({g[1] for g in cut[len(whole) - 1:]}) > 1  # (the last bucket's pieces: several PS)
+    base = sim.simulate("dsgd", w, hw, FREE, 8, shard_bytes=4 * MIB, num_ps=8)["step_s"]
+    split = sim.simulate("dsgd", w, hw, FREE, 8, shard_bytes=4 * MIB, num_ps=8,
+                         tail_pieces=4)["step_s"]
+    assert split < base

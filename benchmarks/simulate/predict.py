@@ -15,7 +15,9 @@ better. BytePS gets partitions of min(4 MB, G/N) (its 4 MB default, smaller wher
 N servers need more partitions than that makes); ring allreduce Horovod's
 defaults. Efficiency = one device's compute time / the step time (weak
 scaling: the same batch per device), so 8 GPUs per worker pay their NVLink
-mean too. Also writes the chart (results/simulate_predictions.png) and the
+mean too. Then the ablation (each Ray/PS cost removed, at 64 and 256 workers) and a
+what-if not built (the tail's buckets cut over more PS: `what_if_tail`). Also writes
+the chart (results/simulate_predictions.png) and the
 place of Ray's 2018 DistributedSGD benchmark (ResNet-101, 16 V100 on two nodes,
 25 Gb/s: anchors.md).
 
@@ -134,6 +136,48 @@ def ablation(costs: sim.Costs) -> list[dict]:
     return rows
 
 
+TAIL_PIECES = (1, 4, 16, 64)
+
+
+def what_if_tail(costs: sim.Costs) -> list[dict]:
+    """What would: dsgd (ResNet-50, V100, 25 Gb/s, one GPU per worker, one PS per
+    node) with each bucket whose fan-in would end after the backward pass cut
+    into `pieces` pieces on distinct PS actors (sim.dsgd_layout's tail_pieces: a
+    design not built), at every worker count; ring allreduce beside it."""
+    w, _ = profiles.gpu_workload("resnet50", "V100")
+    hw = sim.Hardware(link_bw=25 * GBIT)
+    rows = []
+    for n in WORKERS:
+        per_node = -(-w.grad_bytes // n)
+        ring = sim.simulate("ring", w, hw, None, n)["step_s"]
+        for pieces in TAIL_PIECES:
+            if pieces > n:
+                continue
+            r = sim.simulate("dsgd", w, hw, costs, n, shard_bytes=per_node, num_ps=n,
+                             tail_pieces=pieces)
+            rows.append({"workers": n, "pieces": pieces, "step_s": r["step_s"],
+                         "groups": r["groups"], "efficiency": w.compute_s / r["step_s"],
+                         "ring_efficiency": w.compute_s / ring})
+            print(f"tail split N={n} pieces={pieces}: {100 * w.compute_s / r['step_s']:.0f} % "
+                  f"({r['groups']} groups)", flush=True)
+    return rows
+
+
+def what_if_markdown(rows: list[dict]) -> str:
+    by = {(r["workers"], r["pieces"]): r for r in rows}
+    head = ("| tail buckets cut into | " + " | ".join(f"{n} workers" for n in WORKERS)
+            + " |\n|---|" + "---:|" * len(WORKERS) + "\n")
+    body = ""
+    for pieces in TAIL_PIECES:
+        cells = [f"{100 * by[n, pieces]['efficiency']:.0f} % ({by[n, pieces]['groups']} groups)"
+                 if (n, pieces) in by else "–" for n in WORKERS]
+        name = "1 (as built)" if pieces == 1 else f"{pieces} pieces"
+        body += f"| {name} | " + " | ".join(cells) + " |\n"
+    ring = {r["workers"]: r["ring_efficiency"] for r in rows}
+    body += "| ring allreduce | " + " | ".join(f"{100 * ring[n]:.0f} %" for n in WORKERS) + " |\n"
+    return head + body
+
+
 def ablation_markdown(rows: list[dict]) -> str:
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["workers"], r["variant"]): r for r in rows}
@@ -202,9 +246,11 @@ def main(argv=None) -> dict:
     rows = run_grid(costs, args.quick)
     seed = seed_benchmark(costs)
     ablated = ablation(costs)
+    tail = what_if_tail(costs)
     table = markdown(rows)
     print(table)
     print(ablation_markdown(ablated))
+    print(what_if_markdown(tail))
     print(json.dumps(seed, indent=1))
     result = {"benchmark": "simulate_predictions", "calibration": os.path.relpath(
         args.calibration, os.path.dirname(RESULTS)), "costs": dataclasses.asdict(costs),
@@ -213,6 +259,7 @@ def main(argv=None) -> dict:
         "byteps": dataclasses.asdict(sim.BytePSParams()),
         "rows": rows, "seed_benchmark": seed, "table_markdown": table,
         "ablation": ablated, "ablation_markdown": ablation_markdown(ablated),
+        "what_if_tail_split": tail, "what_if_tail_split_markdown": what_if_markdown(tail),
         "wall_s": time.perf_counter() - started}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -214,9 +214,16 @@ class Network:
 # ---------------------------------------------------------------------------
 
 def dsgd_layout(w: Workload, workers: int, shard_bytes: int, num_ps: int | None,
-                compression: str | None, overlap: bool):
-    """dsgd's own plan: (groups as [(wire bytes, ps, ready_s)], float32 bytes per
-    group, number of PS). Buckets when `overlap`, else one group per PS."""
+                compression: str | None, overlap: bool, tail_pieces: int = 0,
+                link_bw: float = 0.0):
+    """dsgd's own plan: (groups as [(wire bytes, ps, ready_s, float32 bytes)],
+    number of PS). Buckets when `overlap`, else one group per PS.
+
+    `tail_pieces` > 1 (a what-if, not what dsgd does): every bucket whose fan-in
+    to its PS (workers x its bytes at `link_bw`) would end after the backward
+    pass is cut into that many equal pieces on distinct PS actors, each piece a
+    group of its own (its own object and call): the tail's bytes spread over
+    many PS nodes' links instead of one's."""
     from dsgd import constants
     from dsgd.comm.sharding import bucket_layout, exchange_layout, plan_shards
 
@@ -232,15 +239,26 @@ def dsgd_layout(w: Workload, workers: int, shard_bytes: int, num_ps: int | None,
         f32 = sum(4 * p.length for j in g for p in plan.shards[j].pieces)
         ready = max(w.ready_s[p.var_index] for j in g for p in plan.shards[j].pieces)
         groups.append((wire, ps, ready, f32))
+    if tail_pieces > 1 and overlap and link_bw > 0:
+        pieces = min(tail_pieces, asked)
+        cut = []
+        for wire, ps, ready, f32 in groups:
+            if pieces > 1 and ready + workers * wire / link_bw > w.compute_s:
+                cut += [(wire / pieces, (ps + i * asked // pieces) % asked, ready, f32 / pieces)
+                        for i in range(pieces)]
+            else:
+                cut.append((wire, ps, ready, f32))
+        groups = cut
     return groups, asked
 
 
 def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
                   shard_bytes: int = 10_000_000, num_ps: int | None = None,
                   compression: str | None = None, overlap: bool = True,
-                  prefetch: bool = False, steps: int = 3) -> dict:
+                  prefetch: bool = False, steps: int = 3, tail_pieces: int = 0) -> dict:
     n = workers
-    groups, asked = dsgd_layout(w, n, shard_bytes, num_ps, compression, overlap)
+    groups, asked = dsgd_layout(w, n, shard_bytes, num_ps, compression, overlap,
+                                tail_pieces, hw.link_bw)
     if n == 1:  # no exchange: the worker applies its own gradient
         return _single(w, hw, k, steps, groups)
     eng = Engine()
@@ -359,6 +377,7 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         t = max(eng.now, sender[u].free)  # the last bucket's op has returned
         mark(s, u, "last_bucket_sent", t)
         t = cpu(cores, sender[u], t, k.call_s)  # the gather call to PS 0
+        mark(s, u, "meta_sent", t)
         eng.at(t + hop(u, ps_node[0]), meta_arrives, s)
         # collect(): the means whose answers are in, pulled in parallel, waited for.
         eng.at(t, collect, s, u, "metas")
@@ -369,6 +388,7 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         st["metas"] += 1
         st["meta_t"] = max(st["meta_t"], t)
         if st["metas"] == n:
+            mark(s, 0, "metas_gathered", st["meta_t"])
             for u in range(n):
                 eng.at(st["meta_t"] + hop(ps_node[0], u), decided, s, u)
 
