@@ -136,3 +136,14 @@ def resuming_loop(config):
             ray.train.report({"epoch": epoch, "loss": float(loss), "resumed_from": start},
                              checkpoint=checkpoint)
     np.savez(os.path.join(config["out"], f"final{rank}.npz"), *model.get_weights())
+
+
+def timeline_loop(config):
+    """Three allreduces of a [1000] float32 tensor and one broadcast_object."""
+    import tensorflow as tf
+
+    import dsgd.train as dt
+
+    for k in range(3):
+        dt.allreduce(tf.fill([1000], float(k + dt.rank())))
+    dt.broadcast_object({"done": True}, root_rank=0)

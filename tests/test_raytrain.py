@@ -187,6 +187,61 @@ def test_the_exchange_is_the_engines_plan_groups_and_compression(compression, tw
         assert mean0.dtype == np.float32
 
 
+def test_the_exchange_records_the_timeline_when_on(two_ps, monkeypatch):
+    """With the timeline on, a worker records each collective ("allreduce" on its
+    "collectives" row, with its size) and each group's send, and each PS each
+    group's sum; when off, nothing."""
+    import ray
+
+    from dsgd.comm import timeline
+    from dsgd.comm.ps_client import enable_timeline
+
+    ps, names, _ = two_ps
+    rng = np.random.default_rng(1)
+    per_rank = [[rng.normal(size=(40,)).astype(np.float32)] for _ in range(2)]
+    exchange_as_two_ranks(two_ps, None, per_rank, monkeypatch)
+    assert timeline.recorder().drain() == []  # (off: nothing kept)
+    ray.get(enable_timeline(ps, True), timeout=60)
+    timeline.enable("worker")
+    try:
+        exchange_as_two_ranks(two_ps, None, per_rank, monkeypatch)
+        mine = timeline.recorder().drain()
+        theirs = [e for p in ps for e in ray.get(p.timeline_events.remote(), timeout=60)]
+    finally:
+        timeline.enable("worker", False)
+        ray.get(enable_timeline(ps, False), timeout=60)
+    reduces = [e for e in mine if e.get("name") == "allreduce"]
+    assert len(reduces) == 2 and {e["tid"] for e in reduces} == {"collectives"}
+    assert all(e["args"] == {"arrays": 1, "bytes": 160} for e in reduces)
+    assert sum(e.get("name", "").startswith("send group") for e in mine) == 2 * 2  # 2 ranks x 2 PS
+    assert sum(e.get("name") == "sum group" for e in theirs) == 2
+
+
+@pytest.mark.slow  # a Ray Train worker group (~30 s): CI runs it (.ci/run)
+def test_dsgd_train_writes_a_timeline_users_can_open(tmp_path, monkeypatch):
+    """DSGD_TIMELINE (as HOROVOD_TIMELINE) on the driver: the trace file names
+    every worker and PS and holds their collectives, sends and sums."""
+    import json
+
+    path = tmp_path / "trace.json"
+    monkeypatch.setenv("DSGD_TIMELINE", str(path))
+    trainer = dt.DsgdTrainer(raytrain_loops.timeline_loop,
+                             scaling_config=ScalingConfig(num_workers=2),
+                             run_config=RunConfig(storage_path=str(tmp_path / "runs"),
+                                                  name="timeline"))
+    assert trainer.fit().error is None
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert {"worker 0", "worker 1"} <= set(names.values())
+    assert sum(n.startswith("PS ") for n in names.values()) == 2, names
+    for worker in ("worker 0", "worker 1"):
+        spans = [e["name"] for e in events if e["ph"] == "X" and names[e["pid"]] == worker]
+        assert spans.count("allreduce") == 3 and spans.count("broadcast") == 1, spans
+        assert any(s.startswith("send group") for s in spans)
+    assert sum(e["name"] == "sum group" for e in events if e["ph"] == "X") >= 3
+    assert not dsgd_actor_names(("dsgd-ps-",))
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="devices_per_worker must be 1"):
         dt.DsgdConfig(devices_per_worker=2)
@@ -194,5 +249,7 @@ def test_config_errors():
         dt.DsgdConfig(num_ps=0)
     with pytest.raises(ValueError, match=r"compression must be None or one of \['fp16', 'bf16'\]"):
         dt.DsgdConfig(compression="int8")
+    with pytest.raises(ValueError, match="timeline must be a file path"):
+        dt.DsgdConfig(timeline="")
     with pytest.raises(TypeError, match="dsgd_config must be a dsgd.train.DsgdConfig"):
         dt.DsgdTrainer(lambda: None, dsgd_config={"num_ps": 1})

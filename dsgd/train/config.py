@@ -5,6 +5,7 @@ stop them when the group shuts down."""
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from dataclasses import dataclass
 
@@ -34,6 +35,12 @@ class DsgdConfig(BackendConfig):
             averaged, in float32, then rounded once) as that 16-bit type, as
             the engine's `compression`. A collective's own `compression`
             argument overrides it.
+        timeline: a file path: write a Chrome trace of the run there (each
+            worker's collectives and their sends, each PS's sums; Horovod's
+            `HOROVOD_TIMELINE`), rewritten when Ray Train stops or restarts
+            the worker group. Default: the `DSGD_TIMELINE` environment variable
+            of the process that makes the config, else its `HOROVOD_TIMELINE`
+            (a ported launch line keeps working), else no timeline.
 
     Raises:
         ValueError: a value out of range (named), or `devices_per_worker`
@@ -45,8 +52,14 @@ class DsgdConfig(BackendConfig):
     devices_per_worker: int = 1
     timeout_s: float = constants.DEFAULT_STEP_TIMEOUT_S
     compression: str | None = None
+    timeline: str | None = None
 
     def __post_init__(self):
+        from dsgd.comm import timeline
+
+        if self.timeline is None and not os.environ.get(timeline.ENV):
+            self.timeline = os.environ.get("HOROVOD_TIMELINE") or None
+        self.timeline = timeline.path_from(self.timeline)  # (ValueError naming it)
         for name in ("grad_shard_bytes", "devices_per_worker"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -81,6 +94,7 @@ class DsgdBackend(Backend):
 
     def __init__(self):
         self.ps: list = []
+        self.events: list = []  # the timeline's events so far (DsgdConfig.timeline)
 
     def on_start(self, worker_group, backend_config: DsgdConfig) -> None:
         """Start the PS actors (killing a previous group's first) and install
@@ -112,16 +126,51 @@ class DsgdBackend(Backend):
         node_sizes = [node_ids.count(n) for n in dict.fromkeys(node_ids)]
         worker_group.execute(install, self.ps, names, backend_config.grad_shard_bytes,
                              backend_config.timeout_s, backend_config.compression, node_sizes)
+        if backend_config.timeline is not None:
+            from dsgd.comm import timeline
+            from dsgd.comm.ps_client import enable_timeline
+
+            get_all(enable_timeline(self.ps, True), names, "dsgd.train: starting the timeline",
+                    backend_config.timeout_s)
+            for i in range(len(workers)):
+                worker_group.execute_single(i, timeline.enable, f"worker {i}")
         logger.info("dsgd.train: %d PS actor(s) for %d worker(s): %s", num_ps, len(workers),
                     ", ".join(names))
 
     def on_shutdown(self, worker_group, backend_config: DsgdConfig) -> None:
-        """Kill the PS actors (already dead ones are skipped). Does not wait."""
+        """Kill the PS actors (already dead ones are skipped); with a timeline,
+        first collect the workers' and PS actors' events (what a dead one had
+        is lost) and rewrite the trace file. Waits at most
+        `backend_config.timeout_s` for the events, not for the kills."""
         import ray
 
+        if backend_config.timeline is not None and self.ps:
+            self._write_timeline(worker_group, backend_config)
         for handle in self.ps:
             try:
                 ray.kill(handle)
             except Exception:  # noqa: BLE001 - already dead
                 pass
         self.ps = []
+
+    def _write_timeline(self, worker_group, backend_config: DsgdConfig) -> None:
+        import ray
+
+        from dsgd.comm import timeline
+
+        def drain():
+            return timeline.recorder().drain()
+
+        refs = [p.timeline_events.remote() for p in self.ps]
+        try:
+            refs += worker_group.execute_async(drain)
+        except Exception as e:  # noqa: BLE001 - the group is gone (a restart after a death)
+            logger.warning("dsgd.train: timeline: the workers' events are lost (%s)", e)
+        for ref in refs:
+            try:
+                self.events += ray.get(ref, timeout=backend_config.timeout_s)
+            except Exception as e:  # noqa: BLE001 - a dead actor's events are lost
+                logger.warning("dsgd.train: timeline: one process's events are lost (%s: %s)",
+                               type(e).__name__, e)
+        timeline.write(backend_config.timeline, self.events)
+        logger.info("dsgd.train: timeline written to %s", backend_config.timeline)

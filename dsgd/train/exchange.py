@@ -17,6 +17,7 @@ import threading
 
 import numpy as np
 
+from dsgd.comm import timeline
 from dsgd.comm.ps_client import PSClient
 from dsgd.comm.sharding import exchange_layout, plan_shards
 from dsgd.comm.waits import actor_died_errors
@@ -112,7 +113,10 @@ def allreduce(arrays: list[np.ndarray], average: bool = True,
     flat = [np.ascontiguousarray(a).reshape(-1) for a in arrays]
     # A variable whole in one shard comes back as a view of the PS's result object
     # (the view keeps the object alive while TF uses it).
-    means = _named(lambda: ps.reduce(layout, flat, scale=None if average else 1.0))
+    with timeline.recorder().span("allreduce" if average else "allreduce (sum)", "collectives",
+                                  arrays=len(arrays),
+                                  bytes=int(sum(a.nbytes for a in flat))):
+        means = _named(lambda: ps.reduce(layout, flat, scale=None if average else 1.0))
     return layout.plan.unpack(means, copy=False)
 
 
@@ -124,7 +128,8 @@ def broadcast(arrays, root_rank: int):
     if ps.world == 1:
         ps.next_seq()
         return arrays
-    return _named(lambda: ps.broadcast(arrays, root_rank))
+    with timeline.recorder().span("broadcast", "collectives", root=root_rank):
+        return _named(lambda: ps.broadcast(arrays, root_rank))
 
 
 def gather(value) -> list:
@@ -134,7 +139,8 @@ def gather(value) -> list:
     if ps.world == 1:
         ps.next_seq()
         return [value]
-    return _named(lambda: ps.gather(value))
+    with timeline.recorder().span("allgather", "collectives"):
+        return _named(lambda: ps.gather(value))
 
 
 def _check_root(root_rank, size: int) -> None:
