@@ -135,3 +135,24 @@ def test_a_group_leaves_from_inside_the_step_and_is_summed_before_it_is_received
                 # (The send span ends after the call went out, possibly after the sum.)
                 assert sent[0]["ts"] - 2000 <= s["ts"] + s["dur"]
                 assert s["ts"] + s["dur"] <= received["ts"] + received["dur"] + 2000
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_one_worker_records_its_steps(tmp_path):
+    """One worker (no exchange, no PS): each step is one compiled call, recorded
+    as `data` then `compute and apply` on the worker's step row."""
+    path = str(tmp_path / "one.json")
+    with dsgd.DistributedSGD(lambda w, d: tiny.StepKeyedModel(w, d, 1, 4), 1, 1, gpu=False,
+                             timeline=path) as sgd:
+        sgd.train(STEPS)
+    events = json.load(open(path))["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert sorted(set(names.values())) == ["driver", "worker 0"]
+    spans = [e for e in events if e["ph"] == "X" and names[e["pid"]] == "worker 0"]
+    computes = [e for e in spans if e["name"] == "compute and apply"]
+    assert len(computes) == STEPS and {e["tid"] for e in spans} == {"step"}
+    assert [e["args"]["step"] for e in computes] == list(range(1, STEPS + 1))
+    datas = [e for e in spans if e["name"] == "data"]
+    for data, compute in zip(datas, computes, strict=True):
+        assert data["ts"] + data["dur"] <= compute["ts"] + 1  # (µs, rounded)

@@ -421,7 +421,8 @@ class LocalSteps:
                 "dropped": [s for s in range(self.config.num_workers) if s != slot]}
 
     def submit(self) -> LocalSteps:
-        self._ref = self.workers[0].local_steps.remote(self.data, self.run_id)
+        self._ref = self.workers[0].local_steps.remote(self.data, self.run_id,
+                                                       self.config.timeline is not None)
         return self
 
     def started(self) -> None:

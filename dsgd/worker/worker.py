@@ -37,7 +37,7 @@ import numpy as np
 import ray
 
 from dsgd import constants
-from dsgd.comm import store
+from dsgd.comm import store, timeline
 from dsgd.worker import checkpoint_files
 from dsgd.errors import DsgdError
 from dsgd.model import Model
@@ -165,13 +165,21 @@ class Worker:
         applied = all(finite) or not self.replicas.gate_apply
         self.applied_steps += applied
         self._freeze_gc_once()
+        tl = timeline.recorder()
+        if tl.on:  # (one compiled call: forward, backward, local mean and update)
+            to_wall = time.time() - time.perf_counter()
+            tl.add("data", "step", start + to_wall, start + data_s + to_wall,
+                   step=self.applied_steps)
+            tl.add("compute and apply", "step", start + data_s + to_wall, time.time(),
+                   step=self.applied_steps)
         return {"losses": losses.numpy().tolist(), "finite": finite, "applied": applied,
                 "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
                 "samples": samples, "data_s": data_s, "compute_s": time.perf_counter() - start}
 
-    def local_steps(self, datas: list, run: int) -> list[dict]:
+    def local_steps(self, datas: list, run: int, timeline_on: bool = False) -> list[dict]:
         """Several `local_step`s in one call (one worker, `train()`): one info per
-        step run, in order. Stops after a step whose data's epoch ended, and after
+        step run, in order; `timeline_on`: record each step's `data` and `compute
+        and apply` on the timeline (dsgd/comm/timeline.py). Stops after a step whose data's epoch ended, and after
         a step with a non-finite gradient under on_nonfinite="raise" (that step
         was applied, as with `local_step`), or at a step that raised (raised
         here if it was the first, else returned as a last {"error": exception}
@@ -180,6 +188,8 @@ class Worker:
         queued behind it are not applied. Blocks until the steps are applied."""
         if run == self._halted_run:
             return []
+        if timeline_on != timeline.recorder().on:
+            timeline.enable(f"worker {self.worker_index}", timeline_on)
         infos = []
         for data in datas:
             try:
