@@ -119,6 +119,16 @@ RAY_ENV = {
     # thousand-way fan-in. The timers are scaled with the rate, as the bytes are not.
     "RAY_object_manager_pull_timeout_ms": "600000",
     "RAY_object_manager_push_timeout_ms": "600000",
+    # The object manager's RPC threads and connections (ray_config_def.h; by default
+    # min(max(2, CPUs/4), 8) threads, 2 on these nodes, and 4 connections). With them, on
+    # these links, transfers of objects of more than one 5 MiB chunk in opposite
+    # directions took turns: the 2-node after-backward run (two 8 MiB objects crossing)
+    # measured 1.28-1.42x the simulation in four runs; with 8 of each, or with 16 MiB
+    # chunks, 1.07 and 1.08x (2026-11-27). A chunk spends ~140 ms on a 300 Mbit/s link
+    # against ~2 ms at 25 Gb/s: what holds the object manager for one chunk is 80-300x
+    # longer here than on a cluster, so it gets a cluster node's thread count.
+    "RAY_object_manager_rpc_threads_num": "8",
+    "RAY_object_manager_client_connection_num": "8",
 }
 # Every process the cluster starts inherits this (--cleanup finds a crashed run's by it,
 # where setproctitle has not overwritten the environment).
