@@ -300,6 +300,7 @@ def _index_rows() -> list:
     return [(np.full(tiny.IN, i, np.float32), np.zeros(tiny.OUT, np.float32)) for i in range(64)]
 
 
+@pytest.mark.slow  # its own 2-worker instance (~10-15 s): CI runs it (.ci/run)
 @pytest.mark.cluster
 @pytest.mark.usefixtures("ray_local")
 def test_a_step_failing_while_the_last_step_is_applied_in_its_call_leaves_it_applied(tmp_path):
@@ -333,6 +334,7 @@ class FailsApplyOnce(tiny.TinyModel):
                                   learning_rate=0.1, momentum=0.9)
 
 
+@pytest.mark.slow  # its own 2-worker instance (~10-15 s): CI runs it (.ci/run)
 @pytest.mark.cluster
 @pytest.mark.usefixtures("ray_local")
 def test_a_worker_whose_update_fails_in_the_next_steps_call_exits_and_is_recovered(tmp_path):
