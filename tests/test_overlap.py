@@ -295,6 +295,12 @@ def _SlowSGD(sleep_s, fail_marker=None, **kwargs):
     return SlowSGD(**kwargs)
 
 
+def _own_instance(creator):
+    """2 workers, 2 PS, 100-byte shards, overlapped: as `shared`, for a model of its own."""
+    return dsgd.DistributedSGD(creator, 2, 1, gpu=False, grad_shard_bytes=100, num_ps=2,
+                               step_timeout_s=60, overlap=True)
+
+
 def _index_rows() -> list:
     """64 rows whose x is their index (worker w's step t reads rows 8t + 4w to 8t + 4w + 3)."""
     return [(np.full(tiny.IN, i, np.float32), np.zeros(tiny.OUT, np.float32)) for i in range(64)]
@@ -309,9 +315,7 @@ def test_a_step_failing_while_the_last_step_is_applied_in_its_call_leaves_it_app
     finishes what does not depend on the failed op, so step 2's update runs
     whole, the worker goes on and the error reaches the caller; the weights
     are those of two steps, bit for bit, on both workers, and no worker died."""
-    with dsgd.DistributedSGD(lambda w, d: FailsOnRow(w, d, 0.5), 2, 1, gpu=False,
-                             grad_shard_bytes=100, num_ps=2, step_timeout_s=60,
-                             overlap=True) as sgd:
+    with _own_instance(lambda w, d: FailsOnRow(w, d, 0.5)) as sgd:
         reset = Reset(sgd, str(tmp_path / "start"))
         sgd.train(num_steps=2, dataset=dsgd.Dataset(_index_rows(), batch_size=BATCH))
         two_steps = assert_replicas_identical(sgd)
@@ -343,9 +347,7 @@ def test_a_worker_whose_update_fails_in_the_next_steps_call_exits_and_is_recover
     neither step's); the driver recovers it like any dead worker and the
     weights are those of an uninterrupted run, bit for bit."""
     marker = str(tmp_path / "fail")
-    with dsgd.DistributedSGD(lambda w, d: FailsApplyOnce(w, d, marker), 2, 1, gpu=False,
-                             grad_shard_bytes=100, num_ps=2, step_timeout_s=60,
-                             overlap=True) as sgd:
+    with _own_instance(lambda w, d: FailsApplyOnce(w, d, marker)) as sgd:
         reset = Reset(sgd, str(tmp_path / "start"))
         sgd.train(num_steps=4, dataset=dsgd.Dataset(_index_rows(), batch_size=BATCH))
         uninterrupted = assert_replicas_identical(sgd)

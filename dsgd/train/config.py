@@ -157,11 +157,12 @@ class DsgdBackend(Backend):
         import ray
 
         from dsgd.comm import timeline
+        from dsgd.comm.ps_client import timeline_events
 
         def drain():
             return timeline.recorder().drain()
 
-        refs = [p.timeline_events.remote() for p in self.ps]
+        refs = [timeline_events(p) for p in self.ps]
         try:
             refs += worker_group.execute_async(drain)
         except Exception as e:  # noqa: BLE001 - the group is gone (a restart after a death)
