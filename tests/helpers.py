@@ -5,6 +5,8 @@ starts worker processes that import TensorFlow: seconds each on 2 cores)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -78,3 +80,59 @@ class Reset:
 def reset_tiny_steps(model) -> None:
     """`Reset`'s replica_reset for `tiny.TinyModel`: its batches start again at step 0."""
     model.steps = 0
+
+
+def unpatch(worker):
+    from dsgd.comm import ps_client
+
+    for name, real in getattr(ps_client.Sending, "_real", {}).items():
+        setattr(ps_client.Sending, name, real)
+    ps_client.Sending._real = {}
+    for name in ("apply", "apply_stage"):
+        worker.replicas.__dict__.pop(name, None)
+    worker.__dict__.pop("_flush_pending", None)
+
+
+def kill_ps_before_sending(bucket: int, pid: int):
+    """Patch, in a worker's process, `Sending.send` so that the worker about to
+    send `bucket` of the next step first kills the PS process `pid` (the first
+    to get there kills it, the other finds it dead)."""
+    def patch(worker):
+        from dsgd.comm import ps_client
+
+        real = ps_client.Sending.send
+        ps_client.Sending._real = {"send": real}
+        first: list = []
+
+        def send(self, g, part):
+            first.append(self.seq)
+            if g == bucket and self.seq == first[0]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                for _ in range(200):
+                    if gone(pid):
+                        break
+                    time.sleep(0.05)
+            return real(self, g, part)
+
+        ps_client.Sending.send = send
+        worker.fell_back_before = worker.fell_back
+        worker.flushes = []  # at each call's end: whether a decided step was still to apply
+        flush = worker._flush_pending
+
+        def flushing():
+            worker.flushes.append(worker._pending is not None)
+            flush()
+
+        worker._flush_pending = flushing
+    return patch
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return True

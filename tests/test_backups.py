@@ -220,17 +220,23 @@ class SlowCounter(counting.Counter):
 
 
 @pytest.mark.slow
-def test_dataset_rows_are_seen_at_most_once_and_dropped_rows_are_counted():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dataset_rows_are_seen_at_most_once_and_dropped_rows_are_counted(overlap):
     """Counter: after an epoch, -(contributors) x v counts how often each item
     went into a mean; with backups every row is trained on at most once and
-    the dropped rows are reported."""
+    the dropped rows are reported. overlap=True: each step is also applied in
+    the next step's compiled call (dataset batches)."""
 
     rows_per_step = 3 * 4
     n_steps = counting.N // rows_per_step
     data = dsgd.Dataset(range(counting.N), download_func=counting.one_hot, batch_size=4)
-    with make(lambda w, d: SlowCounter(w, d), num_ps=1, grad_shard_bytes=2**20) as sgd:
+    with make(lambda w, d: SlowCounter(w, d), num_ps=1, grad_shard_bytes=2**20,
+              overlap=overlap) as sgd:
         summary = sgd.train(dataset=data)
         counts = np.round(-2 * sgd.get_weights()[0]).astype(int)
+        deferred = sgd.foreach_worker(lambda w: w.deferred_applies)
+        assert_replicas_identical(sgd)
+    assert (min(deferred) > 0) == overlap, deferred
     assert summary["steps"] == n_steps
     assert set(np.unique(counts)) <= {0, 1}
     # Every step drops one worker's 4 rows: exactly what the counts miss.
@@ -450,3 +456,49 @@ def test_a_nonfinite_contributor_stops_or_skips_the_step_before_any_apply(on_non
                 6 - summary["skipped_steps"]
         weights = assert_replicas_identical(sgd)
     assert all(np.isfinite(w).all() for w in weights)
+
+
+def test_overlapped_steps_with_a_straggler_replay_exactly():
+    """overlap=True (each bucket leaves during the backward pass, before PS 0
+    has chosen the step's contributors; each PS sums the chosen parts only):
+    N-b contributors a step, the straggler does not set the pace, and the
+    weights are the replay's over the recorded contributor sets."""
+    with make(straggler_creator(), overlap=True) as sgd:
+        stats = [sgd.step(fetch_stats=True) for _ in range(8)]
+        weights = assert_replicas_identical(sgd)
+        # (the overlapped path, two buckets on two PS: each settled by one contributor)
+        assert sgd.foreach_worker(lambda w: (w.overlap, w._exchange[0].choosing,
+                                             w._buckets.ps_of_group)) == [(True, True, (0, 1))] * 3
+    assert all(len(s["contributors"]) == 2 for s in stats)
+    assert sum(2 in s["contributors"] for s in stats) <= 1
+    step_s = sorted(s["step_s"] for s in stats)
+    assert step_s[len(step_s) // 2] < SLOW_S / 2, step_s
+    for a, b in zip(weights, replay([s["contributors"] for s in stats])):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow  # its own 3-worker instance and a PS replacement (~20 s)
+def test_overlapped_steps_with_a_dead_ps_average_the_contributors_parts_exactly():
+    """overlap=True: the PS of the last bucket dies as a step's last bucket
+    leaves; the workers average that bucket themselves from the chosen
+    contributors' parts only (Sending.fallback), the driver replaces the PS,
+    and the weights are still the replay's over the recorded contributors."""
+    from helpers import kill_ps_before_sending, unpatch
+    import ray
+
+    with make(straggler_creator(slow_s=0.6), overlap=True) as sgd:
+        stats = [sgd.step(fetch_stats=True) for _ in range(3)]
+        pid = ray.get(sgd.ps_actors[1].ping.remote(), timeout=60)["pid"]
+        sgd.foreach_worker(kill_ps_before_sending(1, pid))
+        try:
+            stats += [sgd.step(fetch_stats=True) for _ in range(3)]
+        finally:
+            sgd.foreach_worker(unpatch)
+        fell_back = sgd.foreach_worker(lambda w: w.fell_back - w.fell_back_before)
+        weights = assert_replicas_identical(sgd)
+        failures = sgd.failures
+    assert len(failures) == 1 and "PS actor(s) 1 died" in failures[0]["reason"], failures
+    assert sum(fell_back) >= 2, fell_back  # (every worker that read the bucket after it died)
+    assert all(len(s["contributors"]) == 2 for s in stats)
+    for a, b in zip(weights, replay([s["contributors"] for s in stats])):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

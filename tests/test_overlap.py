@@ -6,7 +6,6 @@ one update; a bucket whose PS died is averaged by the workers themselves from
 each other's parts (Sending.fallback)."""
 
 import os
-import signal
 import time
 
 import numpy as np
@@ -16,7 +15,7 @@ import ray
 import dsgd
 from dsgd.comm.sharding import bucket_layout, exchange_layout, plan_shards
 import tiny
-from helpers import Reset, assert_replicas_identical
+from helpers import Reset, assert_replicas_identical, kill_ps_before_sending, unpatch
 
 BATCH, STEPS = 4, 4
 TOL = 1e-5  # float32 round-off of 4 steps (as tests/test_exact.py)
@@ -85,7 +84,7 @@ def test_buckets_never_exceed_the_ps_threads_whatever_the_shard_sizes():
 class _Client:
     """A PSClient stand-in for Sending.read (unit test: no cluster): its wait raises."""
 
-    rank, world, timeout_s, what = 0, 2, 1.0, "worker 0"
+    rank, world, timeout_s, what, choosing = 0, 2, 1.0, "worker 0", False
 
     def __init__(self, error):
         self.error = error
@@ -172,17 +171,6 @@ def _ready_patch(ready: int):
     return patch
 
 
-def _unpatch(worker):
-    from dsgd.comm import ps_client
-
-    for name, real in getattr(ps_client.Sending, "_real", {}).items():
-        setattr(ps_client.Sending, name, real)
-    ps_client.Sending._real = {}
-    for name in ("apply", "apply_stage"):
-        worker.replicas.__dict__.pop(name, None)
-    worker.__dict__.pop("_flush_pending", None)
-
-
 @pytest.mark.cluster
 @pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize("ready", [0, 1])
@@ -197,7 +185,7 @@ def test_applied_as_the_buckets_arrive_equals_single_process_training(shared, re
         sgd.train(num_steps=STEPS)
         applies = sgd.foreach_worker(lambda w: w.applies)
     finally:
-        sgd.foreach_worker(_unpatch)
+        sgd.foreach_worker(unpatch)
     got = assert_replicas_identical(sgd)
     expected, _ = tiny.reference_run(initial, 2, BATCH, STEPS, "adam_schedule")
     for a, b in zip(got, expected, strict=True):
@@ -363,51 +351,6 @@ def test_a_worker_whose_update_fails_in_the_next_steps_call_exits_and_is_recover
             np.testing.assert_array_equal(a, b)
 
 
-def _kill_before_sending(bucket: int, pid: int):
-    """Patch, in a worker's process, `Sending.send` so that the worker about to
-    send `bucket` of the next step first kills the PS process `pid` (the first
-    to get there kills it, the other finds it dead)."""
-    def patch(worker):
-        from dsgd.comm import ps_client
-
-        real = ps_client.Sending.send
-        ps_client.Sending._real = {"send": real}
-        first: list = []
-
-        def send(self, g, part):
-            first.append(self.seq)
-            if g == bucket and self.seq == first[0]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                for _ in range(200):
-                    if _gone(pid):
-                        break
-                    time.sleep(0.05)
-            return real(self, g, part)
-
-        ps_client.Sending.send = send
-        worker.fell_back_before = worker.fell_back
-        worker.flushes = []  # at each call's end: whether a decided step was still to apply
-        flush = worker._flush_pending
-
-        def flushing():
-            worker.flushes.append(worker._pending is not None)
-            flush()
-
-        worker._flush_pending = flushing
-    return patch
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return any(line.startswith("State:") and "Z" in line for line in f)
-    except FileNotFoundError:
-        return True
-
-
 @pytest.mark.cluster
 @pytest.mark.usefixtures("ray_local")
 def test_one_worker_applying_in_two_updates_and_one_at_once_stay_bit_identical(shared):
@@ -422,7 +365,7 @@ def test_one_worker_applying_in_two_updates_and_one_at_once_stay_bit_identical(s
             assert_replicas_identical(sgd)
         applies = sgd.foreach_worker(lambda w: w.applies)
     finally:
-        sgd.foreach_worker(_unpatch)
+        sgd.foreach_worker(unpatch)
     assert applies == [{"whole": 0, "part": 2 * STEPS}, {"whole": STEPS, "part": 0}]
 
 
@@ -450,7 +393,7 @@ def test_a_ps_dead_after_the_step_is_decided_the_workers_average_its_bucket(shar
     ps = sgd.foreach_worker(lambda w: w._buckets.ps_of_group[-1])[0]
     assert ps != 0  # (PS 0 gathers the metas: it must live for the step to be decided)
     pid = ray.get(sgd.ps_actors[ps].ping.remote(), timeout=60)["pid"]
-    sgd.foreach_worker(_kill_before_sending(last, pid))
+    sgd.foreach_worker(kill_ps_before_sending(last, pid))
     deferred = sgd.foreach_worker(lambda w: w.deferred_applies)
     try:
         sgd.train(num_steps=2, dataset=dataset)
@@ -458,7 +401,7 @@ def test_a_ps_dead_after_the_step_is_decided_the_workers_average_its_bucket(shar
                                           deferred)]
         flushes = sgd.foreach_worker(lambda w: w.flushes)
     finally:
-        sgd.foreach_worker(_unpatch)
+        sgd.foreach_worker(unpatch)
     fell_back = sgd.foreach_worker(lambda w: w.fell_back - w.fell_back_before)
     assert fell_back == [1, 1], sgd.failures  # step 3's last bucket, on each worker
     assert len(sgd.failures) == failures + 1, sgd.failures

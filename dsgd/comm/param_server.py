@@ -102,7 +102,8 @@ class ParameterServer:
         (read-only object-store views; read, never kept). Returns a tuple with
         one buffer per shard, laid out as the shard says, padding zeroed; Ray
         writes the tuple into one object."""
-        return self._means(shards, worker_groups)
+        with timeline.recorder().span("sum group", "sum", workers=len(worker_groups)):
+            return self._means(shards, worker_groups)
 
     def _means(self, shards, worker_groups, scale: float | None = None) -> tuple:
         """The group's means (or `scale`d sums) in this PS's scratch buffers, valid
@@ -126,7 +127,7 @@ class ParameterServer:
     def reduce(self, seq: int, rank: int, world: int, shards: tuple[Shard, ...],
                pieces: tuple[np.ndarray, ...] | None, scale: float | None = None,
                meta: dict | None = None, needed: tuple[int, ...] | None = None,
-               bucket: int | None = None) -> list:
+               bucket: int | None = None, chosen_later: bool = False) -> list:
         """Worker `rank`'s part of exchange `seq`: its pieces of a group of shards
         (as `mean` takes one worker's group; read-only store views). Blocks
         until all `world` workers' parts arrived, at most `rendezvous_timeout_s`
@@ -152,12 +153,18 @@ class ParameterServer:
 
         `bucket`: which of the step's groups this is, where one PS serves several
         groups of one exchange (the overlapped exchange's buckets: each is its own
-        meeting); None: this PS's one group of it."""
+        meeting); None: this PS's one group of it.
+
+        `chosen_later` (backup workers' overlapped steps: each bucket leaves
+        during the backward pass, before the contributors are chosen): the part
+        is kept until `settle` names the contributors (or a call passes
+        `needed`); the sum is then over theirs and the other parts are dropped."""
         import ray
 
-        ranks = tuple(range(world)) if needed is None else tuple(needed)
+        if needed is None and not chosen_later:
+            needed = tuple(range(world))
 
-        def combine(parts):
+        def combine(parts, ranks):
             # Summed into the reused scratch buffers (fresh pages would cost a first
             # touch each time), then put once; the lock keeps two exchanges that
             # finish together on this PS from sharing the scratch.
@@ -171,10 +178,36 @@ class ParameterServer:
                     return [ray.put(means)]
                 return [ray.put((means, [parts[r][1] for r in ranks]))]
 
-        part = (pieces, meta) if rank in ranks else _OBSERVER
+        part = (pieces, meta) if needed is None or rank in needed else _OBSERVER
         pieces = None
         key = ("reduce", seq) if bucket is None else ("reduce", seq, bucket)
-        return self._rendezvous(key, rank, world, part, ranks, combine)
+        return self._rendezvous(key, rank, world, part, needed, combine)
+
+    @ray.method(concurrency_group=RENDEZVOUS)
+    def settle(self, seq: int, chosen: tuple[int, ...], buckets: tuple[int, ...]) -> None:
+        """Backup workers' overlapped steps: step `seq`'s contributors are `chosen`
+        (sorted ranks, from PS 0's `choose`). Buckets `buckets` of it, whose
+        parts this PS kept (`reduce(chosen_later=True)`), are summed over those
+        ranks' parts once all are in (here, if they are now); the other ranks'
+        parts are dropped now. Exactly one worker settles each (step, PS) pair
+        (`Sending.choose`), so a meeting it makes is always served and ended.
+        Does not block (beyond the sum); never raises (nobody reads its answer)."""
+        ready = []
+        with self._arrivals:
+            if seq >> ATTEMPT_SHIFT < self._attempt:
+                return  # (given up: its waiting ranks were told)
+            self._end_older_attempts(seq >> ATTEMPT_SHIFT)
+            for b in buckets:
+                meeting = self._meeting(("reduce", seq, b))
+                if meeting.settled:
+                    continue
+                meeting.needed, meeting.settled = tuple(chosen), True
+                for r in [r for r in meeting.parts if r not in meeting.needed]:
+                    del meeting.parts[r]
+                if self._ready(meeting):
+                    ready.append(meeting)
+        for meeting in ready:
+            self._combine(meeting)
 
     @ray.method(concurrency_group=RENDEZVOUS)
     def choose(self, seq: int, rank: int, world: int, need: int, meta: dict) -> tuple:
@@ -232,14 +265,14 @@ class ParameterServer:
         """Rank `root`'s `values` (the others pass None), returned to every rank;
         blocks until the root's call arrived (same timeout as `reduce`)."""
         return self._rendezvous(("broadcast", seq), rank, world, values, (root,),
-                                lambda parts: parts[root])
+                                lambda parts, _: parts[root])
 
     @ray.method(concurrency_group=RENDEZVOUS)
     def gather(self, seq: int, rank: int, world: int, value):
         """Every rank's `value`, in rank order, returned to every rank; blocks
         until all `world` ranks' calls arrived (same timeout as `reduce`)."""
         return self._rendezvous(("gather", seq), rank, world, value, range(world),
-                                lambda parts: [parts[r] for r in range(world)])
+                                lambda parts, _: [parts[r] for r in range(world)])
 
     @ray.method(concurrency_group=RENDEZVOUS)
     def waiting(self) -> dict:
@@ -313,6 +346,11 @@ class ParameterServer:
                         del self._pending[key]
 
     def _rendezvous(self, key: tuple, rank: int, world: int, part, needed, combine):
+        """`rank`'s `part` of exchange `key` (`_OBSERVER`: none); once the parts of
+        every rank in `needed` are in, `combine(parts, needed)` makes the result
+        that every rank of `world` gets. `needed` None: not known yet (`settle`
+        tells it; until then any rank's part is kept). Blocks, at most
+        `rendezvous_timeout_s`."""
         with self._arrivals:
             try:
                 self._check_attempt(key)
@@ -321,23 +359,22 @@ class ParameterServer:
                 raise
             self._end_older_attempts(key[1] >> ATTEMPT_SHIFT)
             meeting = self._meeting(key)
-            meeting.needed = tuple(needed)
-            if part is not _OBSERVER:
+            if needed is not None and not meeting.settled:
+                meeting.needed, meeting.settled = tuple(needed), True
+                for r in [r for r in meeting.parts if r not in meeting.needed]:
+                    del meeting.parts[r]
+            elif not meeting.settled:
+                meeting.needed = tuple(range(world))  # (until chosen, any of them may be)
+            meeting.combine = meeting.combine or combine
+            if part is not _OBSERVER and (not meeting.settled or rank in meeting.needed):
                 meeting.parts[rank] = part
             part = None  # the meeting holds it (not this frame)
-            last = not meeting.combining and all(r in meeting.parts for r in needed)
-            meeting.combining = meeting.combining or last
+            last = self._ready(meeting)
         if last:  # combine outside the lock: other exchanges keep arriving meanwhile
-            try:
-                result, error = combine(meeting.parts), None
-            except Exception as e:  # noqa: BLE001 - every rank gets the error
-                result, error = None, e
-            with self._arrivals:
-                meeting.finish(result, error)
-                self._arrivals.notify_all()
+            self._combine(meeting)
         with self._arrivals:
             if not self._arrivals.wait_for(lambda: meeting.done, self.rendezvous_timeout_s):
-                missing = sorted(set(needed) - set(meeting.parts))
+                missing = sorted(set(meeting.needed) - set(meeting.parts))
                 raise TimeoutError(
                     f"dsgd PS {self.ps_index}: {key[0]} {key[1]}"
                     + (f" (bucket {key[2]})" if len(key) > 2 else "")
@@ -347,6 +384,26 @@ class ParameterServer:
         if meeting.error is not None:
             raise meeting.error
         return meeting.result
+
+    @staticmethod
+    def _ready(meeting: _Rendezvous) -> bool:
+        """(holding `_arrivals`) Whether `meeting` is to be combined now (by the
+        caller, outside the lock: it is marked as combining)."""
+        last = meeting.settled and not meeting.combining and \
+            all(r in meeting.parts for r in meeting.needed)
+        meeting.combining = meeting.combining or last
+        return last
+
+    def _combine(self, meeting: _Rendezvous) -> None:
+        """Make `meeting`'s result (not holding `_arrivals`: other exchanges keep
+        arriving meanwhile) and wake its waiting ranks."""
+        try:
+            result, error = meeting.combine(meeting.parts, meeting.needed), None
+        except Exception as e:  # noqa: BLE001 - every rank gets the error
+            result, error = None, e
+        with self._arrivals:
+            meeting.finish(result, error)
+            self._arrivals.notify_all()
 
     def _end_older_attempts(self, attempt: int) -> None:
         """(holding `_arrivals`) A part of attempt `attempt` arrived: pending exchanges
@@ -376,10 +433,13 @@ _OBSERVER = object()  # the part of a rank that takes an exchange's result witho
 class _Rendezvous:
     """One exchange's meeting on a PS: the parts that arrived, then the result."""
 
-    __slots__ = ("parts", "combining", "done", "result", "error", "served", "needed", "world")
+    __slots__ = ("parts", "combining", "done", "result", "error", "served", "needed", "world",
+                 "settled", "combine")
 
     def __init__(self):
         self.needed: tuple = ()
+        self.settled = False  # `needed` is known (backup workers: once chosen)
+        self.combine = None  # combine(parts, needed) -> the result
         self.parts: dict = {}
         self.combining = self.done = False
         self.result = self.error = None

@@ -305,6 +305,10 @@ class Sending:
         self.answers: list = [None] * len(layout.groups)  # each group's reduce call
         self.parts: list = [None] * len(layout.groups)    # this worker's part of each group
         self.fell_back: list[int] = []  # the groups whose mean `fallback` made (their PS died)
+        # Backup workers: the parts leave before the step's contributors are chosen
+        # (`choose`); each PS keeps them until told (`ParameterServer.settle`).
+        self.chosen_later = client.choosing
+        self.chosen: tuple[int, ...] | None = None  # the contributors, once chosen
         self._means: dict = {}  # group -> its mean, read ahead by `collect`
         self._lock = threading.Lock()
 
@@ -318,8 +322,9 @@ class Sending:
         start = time.time() if tl.on else 0.0
         ref = None if part is None else ray.put(part)
         client, ps = self.client, self.layout.ps_of_group[g]
+        later = {"chosen_later": True} if self.chosen_later else {}
         answer = client.ps[ps].reduce.remote(self.seq, client.rank, client.world,
-                                             self.layout.shards(g), ref, bucket=g)
+                                             self.layout.shards(g), ref, bucket=g, **later)
         with self._lock:
             if self.answers[g] is not None:
                 raise RuntimeError(f"{client.what} {self.label}: group {g} sent twice")
@@ -347,6 +352,24 @@ class Sending:
         if not ray.wait([ref], timeout=0, fetch_local=False)[0]:
             self.collect()
         return client._wait([ref], [0], self.seq, self.label, kind="gather")[0]
+
+    def choose(self, meta: dict) -> tuple[list[int], list[dict], bool]:
+        """(backup workers, instead of `metas`) This step's contributors: PS 0
+        names the first `need` workers to have sent their meta (`PSClient.choose`:
+        (sorted ranks, their metas in that order, whether this worker is one)).
+        Then each PS holding buckets of the step is told (`settle`), by one
+        contributor each (the PS's index modulo their number picks it: the
+        settles of a step spread over the contributors, one call per PS in
+        all). Blocks until they are chosen, at most the client's `timeout_s`."""
+        client = self.client
+        chosen, metas, mine = client.choose(self.seq, meta, self.label)
+        self.chosen = tuple(chosen)
+        owners = sorted(set(self.layout.ps_of_group))
+        for j in owners:
+            if self.chosen[j % len(self.chosen)] == client.rank:
+                buckets = tuple(g for g, p in enumerate(self.layout.ps_of_group) if p == j)
+                client.ps[j].settle.remote(self.seq, self.chosen, buckets)
+        return chosen, metas, mine
 
     def collect(self) -> None:
         """Read, in one call each, every group's answer and mean that is in already
@@ -444,8 +467,9 @@ class Sending:
         return means
 
     def fallback(self, g: int) -> tuple[np.ndarray, ...]:
-        """Group `g`'s mean over every worker's part, computed here as its PS would
-        (the PS died): each peer is asked for its part (`Worker.parts_of`).
+        """Group `g`'s mean over every worker's part (backup workers: every
+        contributor's), computed here as its PS would (the PS died): each peer
+        is asked for its part (`Worker.parts_of`).
         Blocks, at most the client's `timeout_s`."""
         import ray
 
@@ -454,10 +478,12 @@ class Sending:
         client = self.client
         if client.peers is None:
             raise RuntimeError("no peers to ask for their parts")
-        asked = [None if r == client.rank else peer.parts_of.remote(self.seq, g)
-                 for r, peer in enumerate(client.peers)]
+        # (backup workers: the contributors' parts, in rank order, as the PS sums them)
+        ranks = range(client.world) if self.chosen is None else self.chosen
+        asked = [None if r == client.rank else client.peers[r].parts_of.remote(self.seq, g)
+                 for r in ranks]
         refs = [[self.parts[g]] if r == client.rank else ray.get(a, timeout=client.timeout_s)
-                for r, a in enumerate(asked)]
+                for r, a in zip(ranks, asked)]
         if any(r is None or r[0] is None for r in refs):
             raise RuntimeError(f"a worker no longer holds its part of group {g}")
         parts = ray.get([r[0] for r in refs], timeout=client.timeout_s)

@@ -59,6 +59,7 @@ class StepLoop:
         self._next_step = 1  # the next step's exchange number (below the attempt's bits)
         # timeline=: the driver's recorder (DistributedSGD sets it; dsgd/comm/timeline.py)
         self.timeline = timeline.OFF
+        self._timeline_ps: tuple | None = None  # the PS actors told to record (`_ps_timeline`)
         self._joined_workers: list = []
         self._attempts = Attempts()
         self._joined = None
@@ -248,6 +249,16 @@ class StepLoop:
                          "joining the exchange", self.config.step_timeout_s)
         self._joined = key
 
+    def _ps_timeline(self) -> None:
+        """timeline= on the driver-relayed exchange: have the PS actors record their
+        sums (once per set of PS actors; the workers' exchange does it in `_join`)."""
+        ps = self.actors.ps
+        key = tuple(id(p) for p in ps)
+        if self.config.timeline is None or key == self._timeline_ps:
+            return
+        ps_client.enable_timeline(ps, True)
+        self._timeline_ps = key
+
     # -- units -----------------------------------------------------------------------------
     def _submit(self, entry: FeedEntry | None, run_id: int, offset: int, count: int | None,
                 done: int):
@@ -272,9 +283,10 @@ class StepLoop:
                                number, self.stragglers, self.timeline).submit()
         if self.actors.num_workers > 1:
             need = self.stragglers.need(self.actors.num_workers + self.recovery.joining)
+            self._ps_timeline()
             return ExchangeStep(self.config, self.actors, self.topology,
                                 self._step_args(entry, offset), number, self.stragglers,
-                                need).submit()
+                                need, self.timeline).submit()
         size = 1
         if count is not None and self.actors.num_workers == self.config.num_workers:
             size = min(self.config.steps_per_call(1, False), count - done)

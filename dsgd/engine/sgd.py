@@ -147,7 +147,7 @@ class DistributedSGD:
             step's contributors); False has the driver relay every group of
             every step (dsgd/engine/step.py `ExchangeStep`), for comparison.
         overlap: (performance switch, never changes results) the workers'
-            exchange without backup workers: True sends the gradient during the
+            exchange (backup workers included): True sends the gradient during the
             backward pass, each bucket of consecutive layers (>= 4 MiB) to its
             PS as soon as the backward pass has made it, and applies the means
             as they arrive (docs/architecture.md "One step"); False sends it
@@ -157,9 +157,9 @@ class DistributedSGD:
         timeline: a file path: write a Chrome trace of the run there (open it in
             https://ui.perfetto.dev or chrome://tracing): per worker each step's
             data, compute, exchange and apply and each group's send, per PS each
-            group's sum, and the driver's calls, on the workers' own exchange
-            (strategy "ps", several workers; the other paths record nothing
-            yet). Written after each `train()` and at `shutdown()`, or
+            group's sum, and the driver's calls (and, on the driver-relayed
+            steps of worker_exchange=False or strategy "simple", its relay of
+            each group). Written after each `train()` and at `shutdown()`, or
             when `write_timeline()` is called. None (default): the
             `DSGD_TIMELINE` environment variable if set, else no timeline (and
             no cost). See dsgd/comm/timeline.py.

@@ -21,7 +21,7 @@ import dataclasses
 import time
 
 from dsgd import constants
-from dsgd.comm import ps_client
+from dsgd.comm import ps_client, timeline
 from dsgd.comm.means import group_means
 from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
@@ -93,8 +93,12 @@ class ExchangeStep:
     size = 1
 
     def __init__(self, config: Config, actors: ActorSet, topology: Topology, data: list,
-                 number: int, stragglers: Stragglers, need: int | None = None):
+                 number: int, stragglers: Stragglers, need: int | None = None,
+                 recorder=timeline.OFF):
         self.config, self.actors, self.topology = config, actors, topology
+        # timeline=: the driver's row ("calls": the step; "relay": each group's mean
+        # started once every contributor has written it, or made here under "simple")
+        self._recorder, self._submitted_at = recorder, time.time()
         self.data, self.label = data, f"step {number}"
         self.stragglers = stragglers
         self.workers = actors.workers
@@ -129,7 +133,7 @@ class ExchangeStep:
         else:
             self._running = list(range(len(self.workers)))
         self._streams = [self.workers[k].compute.options(num_returns="streaming").remote(
-            self.topology.groups, self.data[k]) for k in self._running]
+            self.topology.groups, self.data[k], self._recorder.on) for k in self._running]
         return self
 
     @property
@@ -228,7 +232,7 @@ class ExchangeStep:
             if free:
                 for k in free:
                     stream = self.workers[k].compute.options(num_returns="streaming").remote(
-                        self.topology.groups, self.data[k])
+                        self.topology.groups, self.data[k], self._recorder.on)
                     self._running.append(k)
                     self._streams.append(stream)
                     pending[id(stream)], streams[id(stream)] = k, stream
@@ -285,6 +289,7 @@ class ExchangeStep:
         contributors, streams = self._contributors, self._contributor_streams()
         mean_refs, grad_refs = [], []
         for g, shards in enumerate(topology.group_shards):
+            waited = time.time()
             refs = self.actors.next_all(streams, contributors,
                                         f"{self.label}: writing shard group {g}", self.time_left())
             if config.strategy == "ps":
@@ -292,10 +297,14 @@ class ExchangeStep:
                 mean_refs.append(ps_client.relayed_mean(ps, shards, refs))
                 grad_refs.append(refs)
                 self._means.append((mean_refs[-1], ps))
+                self._recorder.add(f"relay group {g}", "relay", waited, time.time(),
+                                   ps=topology.ps_of_group(g), workers=len(refs))
             else:
                 worker_groups = self.actors.wait(refs, contributors, f"{self.label}: gathering "
                                                  f"shard group {g}", self.time_left())
                 mean_refs.append(ray.put(group_means(shards, worker_groups)))
+                self._recorder.add(f"gather and average group {g}", "relay", waited,
+                                   time.time(), workers=len(refs))
         self._count_dropped()
         dead = set(self._dead)
         appliers = [w for k, w in enumerate(self.workers)
@@ -362,6 +371,13 @@ class ExchangeStep:
     def finish(self) -> list[StepResult]:
         """Waits for the applies (blocks, at most what is left of step_timeout_s),
         not for those of late workers."""
+        try:
+            return self._finish()
+        finally:
+            self._recorder.add(self.label, "calls", self._submitted_at, time.time(),
+                               workers=len(self.workers))
+
+    def _finish(self) -> list[StepResult]:
         refs, self._apply_refs = self._apply_refs, None
         owners = self._apply_owners
         try:

@@ -225,7 +225,7 @@ class Worker:
         mean is over the first `need` workers to have their gradient (default:
         all). `timeline_on`: record this worker's steps for the timeline
         (dsgd/comm/timeline.py). `overlap`: send the gradient during the
-        backward pass (`_overlapped_step`; not with backup workers). The driver
+        backward pass (`_overlapped_step`). The driver
         calls it after start-up and after every change of workers or PS actors."""
         from dsgd import constants
         from dsgd.comm import timeline
@@ -381,10 +381,10 @@ class Worker:
         from dsgd.comm import commit
 
         client, layout, on_nonfinite = self._exchange
-        if client.choosing:
-            return self._backup_step(data, seq)
         if self.overlap:
             return self._overlapped_step(data, seq)
+        if client.choosing:
+            return self._backup_step(data, seq)
         start = time.perf_counter()
         label = f"step {self.applied_steps + 1}"
         try:
@@ -431,7 +431,13 @@ class Worker:
         meta is gathered and the step decided alike everywhere; then the
         buckets' means are applied one by one as they arrive (in the order the
         backward pass made them), each update exactly that of one apply
-        (Replicas.apply_stage), where the optimizers allow it."""
+        (Replicas.apply_stage), where the optimizers allow it.
+
+        Backup workers: the buckets leave as they do without them, before the
+        contributors are chosen; each PS keeps every worker's part of its
+        buckets until PS 0 has chosen (`Sending.choose`, instead of gathering
+        every meta) and then sums the contributors' parts only. A late worker
+        whose next step is chosen already sits it out (`_sat_out`)."""
         from dsgd.comm import commit
         from dsgd.comm.ps_client import died
 
@@ -444,6 +450,10 @@ class Worker:
             raise died(f"worker {self.worker_index} {label}: PS actor(s) "
                        f"{', '.join(client.names[j] for j in dead)} died (the last step's "
                        "means were made by the workers)", ps=dead)
+        choosing = client.choosing
+        answer = client.decided(seq, label) if choosing and self._late else None
+        if answer is not None:
+            return self._sat_out(seq, label, answer, start)
         sending = client.sending(buckets, seq, label)
         self._sendings[seq] = sending
         shards = self.replicas.plan.shards
@@ -478,13 +488,15 @@ class Worker:
                 # (else it did not run: exchange_steps applies it on its own, or raises)
             try:  # no PS or peer waits for this worker's gradient: they stop now
                 sending.send_rest()
-                sending.metas(commit.meta(self.worker_index, None, None, e))
+                failed = commit.meta(self.worker_index, None, None, e)
+                sending.choose(failed) if choosing else sending.metas(failed)
             except Exception:  # noqa: BLE001 - this worker's own error is the one to report
                 pass
             raise
         if computed is None:
             sending.send_rest()
-            commit.decide(sending.metas(commit.meta(self.worker_index, None, None)),
+            ended = commit.meta(self.worker_index, None, None)
+            commit.decide(sending.choose(ended)[1] if choosing else sending.metas(ended),
                           on_nonfinite)  # raises unless every worker's epoch ended
             return {"epoch_end": True}
         losses, finite, metrics, _ = computed
@@ -493,12 +505,26 @@ class Worker:
         report = {"losses": losses.numpy().tolist(), "finite": finite,
                   "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
                   "samples": samples, "data_s": data_s, "compute_s": computed_at - start}
-        mine = {k: report[k] for k in ("losses", "metrics", "samples", "data_s", "compute_s")}
-        metas = sending.metas(commit.meta(self.worker_index, finite, list(metrics), report=mine))
-        # Every worker has applied the last step (each sends its meta only after): no
-        # peer's fallback can ask for its parts any more.
-        self._sendings = {seq: sending}
-        self._keep_metas(seq, metas)
+        mine = commit.meta(self.worker_index, finite, list(metrics),
+                           report={k: report[k] for k in ("losses", "metrics", "samples",
+                                                          "data_s", "compute_s")})
+        if choosing:
+            chosen, metas, contributed = sending.choose(mine)
+            self._late = not contributed
+            self._keep_metas(seq, self._by_rank(chosen, metas))
+            report.update(contributors=sorted(m["slot"] for m in metas),
+                          contributed=contributed, sat_out=False)
+            if not contributed and data is None:
+                report["dropped_rows"] = samples  # a get_batch batch computed for nothing
+            # (a worker of the last step's contributors may still be applying it: its
+            # fallback may ask for this worker's parts of it)
+            self._sendings = {k: v for k, v in self._sendings.items() if k >= seq - 1}
+        else:
+            metas = sending.metas(mine)
+            # Every worker has applied the last step (each sends its meta only after): no
+            # peer's fallback can ask for its parts any more.
+            self._sendings = {seq: sending}
+            self._keep_metas(seq, metas)
         decision = commit.decide(metas, on_nonfinite)
         apply_s = 0.0
         if decision.action == commit.APPLY:
@@ -516,6 +542,50 @@ class Worker:
                       nonfinite=list(decision.nonfinite))
         self._record_step(seq, start, start + data_s, computed_at, end, overlapped=True)
         return report
+
+    def _by_rank(self, chosen: list[int], metas: list[dict]) -> list:
+        """The contributors' `metas` (in `chosen` order) at their ranks, None elsewhere."""
+        full: list = [None] * self._exchange[0].world
+        for r, m in zip(chosen, metas):
+            full[r] = m
+        return full
+
+    def _sat_out(self, seq: int, label: str, answer: tuple, start: float) -> dict:
+        """(backup workers, overlapped) This late worker sits step `seq` out: its
+        contributors were chosen already (`answer`: PSClient.decided). Nothing is
+        computed; every bucket is joined without a part and the means applied as
+        they arrive. A step of its own kept for this call (`_Pending`) is applied
+        first, on its own."""
+        from dsgd.comm import commit
+
+        client, _, on_nonfinite = self._exchange
+        self._flush_pending()
+        chosen, metas, _ = answer
+        sending = client.sending(self._buckets, seq, label)
+        sending.chosen = tuple(chosen)
+        sending.send_rest()  # (not a contributor: each PS drops a part, and needs none)
+        self._sendings[seq] = sending
+        self._keep_metas(seq, self._by_rank(chosen, metas))
+        decision = commit.decide(metas, on_nonfinite)
+        if decision.action == commit.EPOCH_END:
+            return {"epoch_end": True}
+        sent = time.perf_counter()
+        apply_s = 0.0
+        if decision.action == commit.APPLY:
+            apply_s = self._apply_arriving(sending, self._buckets)
+            self.applied_steps += 1
+        if self._pending is None or self._pending.sending is not sending:
+            sending.release_means()
+        if sending.fell_back:
+            self.fell_back += len(sending.fell_back)
+            self._dead_ps = sorted({self._buckets.ps_of_group[g] for g in sending.fell_back})
+        end = time.perf_counter()
+        self._record_step(seq, start, sent, sent, end, sat_out=True, overlapped=True)
+        return {"exchange_s": end - sent - apply_s, "apply_s": apply_s,
+                "applied": decision.action == commit.APPLY, "decision": decision.action,
+                "nonfinite": list(decision.nonfinite),
+                "contributors": sorted(m["slot"] for m in metas),
+                "contributed": False, "sat_out": True}
 
     def _apply_arriving(self, sending, buckets) -> float:
         """Apply the step's means as they arrive, in the order the backward pass
@@ -767,13 +837,17 @@ class Worker:
         reports of a worker that died after applying them."""
         return {seq: self._recent_metas[seq] for seq in seqs if seq in self._recent_metas}
 
-    def compute(self, groups: tuple[tuple[int, ...], ...], data=None):
+    def compute(self, groups: tuple[tuple[int, ...], ...], data=None,
+                timeline_on: bool = False):
         """This step's gradients, averaged across local replicas, streamed group by
         group. A generator (call with num_returns="streaming"): yields the info
         dict, then for each group of shard indices one flat tuple of the pieces of
         its shards, in order. Each yield becomes its own object, in the store as
         soon as it is written, so a PS can sum group g while group g+1 is being
-        written. At the end of `data`'s epoch it yields only {"epoch_end": True}."""
+        written. At the end of `data`'s epoch it yields only {"epoch_end": True}.
+        `timeline_on`: record the step's `data` and `compute` and each group's
+        write (the driver-relayed exchange's timeline; dsgd/comm/timeline.py)."""
+        tl = self._timeline(timeline_on)
         start = time.perf_counter()
         batches, samples = self._batches(data)
         if batches is None:
@@ -782,16 +856,31 @@ class Worker:
         data_s = time.perf_counter() - start
         losses, finite, flat_grads, metrics = self.replicas.compute(batches)
         pieces = self.replicas.shard_pieces(flat_grads)
+        step = self.applied_steps + 1
+        if tl.on:
+            to_wall = time.time() - time.perf_counter()
+            tl.add("data", "step", start + to_wall, start + data_s + to_wall, step=step)
+            tl.add("compute", "step", start + data_s + to_wall, time.time(), step=step)
         yield {"losses": losses.numpy().tolist(), "finite": finite.numpy().tolist(),
                "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
                "samples": samples, "data_s": data_s, "compute_s": time.perf_counter() - start}
-        for group in groups:  # (Ray's generator wrapper cannot `yield from` a list)
+        for g, group in enumerate(groups):  # (Ray's generator wrapper cannot `yield from`)
+            written = time.time()
             yield tuple(piece for j in group for piece in pieces[j])
+            if tl.on:  # (resumed once Ray has the group in the store)
+                tl.add(f"write group {g}", "send", written, time.time(), step=step)
+
+    def _timeline(self, on: bool):
+        """This worker's recorder, turned on or off as the driver's call says."""
+        if on != timeline.recorder().on:
+            timeline.enable(f"worker {self.worker_index}", on)
+        return timeline.recorder()
 
     def apply(self, groups: tuple[tuple[int, ...], ...], *group_means: tuple) -> dict:
         """Apply the global mean gradient to every replica. `group_means[g]` holds
         one 1-D array per shard of `groups[g]`, as a PS returns them: read-only
         object-store views, read during the call, not kept."""
+        started = time.time()
         start = time.perf_counter()
         if len(group_means) != len(groups):
             raise DsgdError(f"worker {self.worker_index}: got {len(group_means)} mean groups "
@@ -806,6 +895,9 @@ class Worker:
         self.replicas.apply(shards)
         self.applied_steps += 1
         self._freeze_gc_once()
+        tl = timeline.recorder()
+        if tl.on:
+            tl.add("apply", "step", started, time.time(), step=self.applied_steps)
         return {"apply_s": time.perf_counter() - start}
 
     def apply_staged(self, groups: tuple[tuple[int, ...], ...], mean_refs: list,
@@ -835,6 +927,7 @@ class Worker:
                             f"{len(grad_refs)} gradient ref lists for {len(groups)} groups")
         shards: dict = {}
         fallback, wait_s, begun = [], 0.0, False
+        tl = timeline.recorder()
         try:
             for k, group in enumerate(groups):
                 waited = time.perf_counter()
@@ -848,12 +941,19 @@ class Worker:
                     means = group_means([self.replicas.plan.shards[j] for j in group],
                                         worker_groups)
                     fallback.append(k)
-                wait_s += time.perf_counter() - waited
+                arrived = time.perf_counter()
+                wait_s += arrived - waited
                 if len(means) != len(group):
                     raise DsgdError(f"worker {self.worker_index}: a mean group holds "
                                     f"{len(means)} arrays for shards {list(group)}")
                 shards.update(zip(group, means))
                 begun = self.replicas.apply_stage(groups, k, shards) or begun
+                if tl.on:
+                    to_wall = time.time() - time.perf_counter()
+                    tl.add(f"receive group {k}", "receive", waited + to_wall, arrived + to_wall,
+                           step=self.applied_steps + 1)
+                    tl.add(f"apply group {k}", "apply", arrived + to_wall, time.time(),
+                           step=self.applied_steps + 1)
         except BaseException as e:
             if begun:
                 self._exit_partly_applied(e)
