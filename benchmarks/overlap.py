@@ -130,9 +130,13 @@ class SleepyModel(dsgd.Model):
 # item 3 of issue 35), and after the backward pass (the step before issue 35).
 OVERLAPPED, APPLIED_BEFORE, AFTER = "overlapped", "overlapped, applied before the next", \
     "after backward"
-CONFIGS = [("one", True, None), ("two", True, OVERLAPPED), ("two", True, APPLIED_BEFORE),
-           ("two", True, AFTER), ("one", False, None), ("two", False, OVERLAPPED),
-           ("two", False, APPLIED_BEFORE), ("two", False, AFTER)]
+# (overlapped, each bucket's put and call from the worker's sender thread instead of
+# the TensorFlow thread of its op: Worker.send_thread, Sending.send_later)
+THREAD = "overlapped, sent from a thread"
+CONFIGS = [("one", True, None), ("two", True, OVERLAPPED), ("two", True, THREAD),
+           ("two", True, APPLIED_BEFORE), ("two", True, AFTER), ("one", False, None),
+           ("two", False, OVERLAPPED), ("two", False, THREAD), ("two", False, APPLIED_BEFORE),
+           ("two", False, AFTER)]
 
 
 def label(workers: str, compute: bool, path: str | None) -> str:
@@ -145,7 +149,7 @@ def run(workers: str, compute: bool, path: str | None, args,
     import numpy as np
 
     n = 1 if workers == "one" else 2
-    overlap = path in (OVERLAPPED, APPLIED_BEFORE)
+    overlap = path in (OVERLAPPED, APPLIED_BEFORE, THREAD)
     forward = args.forward_ms / 1e3 if compute else 0.0
     backward = args.backward_ms / 1e3 if compute else 0.0
     sgd = dsgd.DistributedSGD(lambda w, d: SleepyModel(args.layers, forward, backward), n, 1,
@@ -157,6 +161,8 @@ def run(workers: str, compute: bool, path: str | None, args,
     try:
         if path == APPLIED_BEFORE:
             sgd.foreach_worker(lambda w: setattr(w, "defer_apply", False))
+        if path in (OVERLAPPED, THREAD):  # (whatever the default, each as named)
+            sgd.foreach_worker(lambda w, t=path == THREAD: setattr(w, "send_thread", t))
         # (batches from a dataset, as in real training: a step is applied in the next
         # step's call only then, as get_batch may read the model's state)
         data = dsgd.Dataset([np.ones(4, np.float32)] * (64 * BATCH), batch_size=BATCH)
@@ -259,8 +265,8 @@ def main(argv=None) -> dict:
     median = {label(*c): statistics.median(x["median_step_ms"] for x in rows
                                            if x["config"] == label(*c)) for c in CONFIGS}
     figures = {}
-    for name, path in (("overlapped", OVERLAPPED), ("applied_before_the_next", APPLIED_BEFORE),
-                       ("after_backward", AFTER)):
+    for name, path in (("overlapped", OVERLAPPED), ("sent_from_a_thread", THREAD),
+                       ("applied_before_the_next", APPLIED_BEFORE), ("after_backward", AFTER)):
         exposed = median[label("two", True, path)] - median["one, compute"]
         own = median[label("two", False, path)] - median["one, no compute"]
         figures[name] = {"exposed_ms": exposed, "exchange_own_ms": own,

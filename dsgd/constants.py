@@ -110,3 +110,7 @@ DATA_FEEDS_KEPT = 4
 # Trainer.validate: a worker validates its whole share in one call, allowed this many
 # step timeouts.
 VALIDATION_TIMEOUT_STEPS = 10
+
+# Overlapped steps: send each bucket from a sender thread (True) or from the TensorFlow
+# thread that runs its op (False). Measured: benchmarks/README.md "Overlap".
+SEND_THREAD = False

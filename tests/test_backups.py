@@ -285,14 +285,16 @@ class KillFrom(tiny.StepKeyedModel):
 # ~19 s (a 3-worker start, then a replacement's): `slow`, which CI runs too; the
 # default run's budget keeps the straggler test above.
 @pytest.mark.slow
-def test_a_worker_killed_mid_run_costs_no_step_a_wait_for_its_replacement(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_worker_killed_mid_run_costs_no_step_a_wait_for_its_replacement(tmp_path, overlap):
     """Worker 2 SIGKILLs itself reading a batch (step >= 3). The steps go on
     with workers 0 and 1 while its replacement starts (seconds: TensorFlow's
-    import); none of them waits for it, and the run replays exactly."""
+    import); none of them waits for it, and the run replays exactly. Overlapped:
+    the contributors' waits for their buckets' means watch only the contributors."""
     marker = str(tmp_path / "killed")
     creator = lambda w, d: KillFrom(w, d, marker)  # noqa: E731
     stats, deadline = [], time.monotonic() + 180
-    with make(creator) as sgd:
+    with make(creator, overlap=overlap) as sgd:
         while not sgd.failures and time.monotonic() < deadline:
             stats.append(sgd.step(fetch_stats=True))
         assert sgd.failures, "the replacement never joined"
@@ -458,6 +460,7 @@ def test_a_nonfinite_contributor_stops_or_skips_the_step_before_any_apply(on_non
     assert all(np.isfinite(w).all() for w in weights)
 
 
+@pytest.mark.slow  # its own 3-worker instance (~12 s): the default run keeps TestStraggler
 def test_overlapped_steps_with_a_straggler_replay_exactly():
     """overlap=True (each bucket leaves during the backward pass, before PS 0
     has chosen the step's contributors; each PS sums the chosen parts only):

@@ -65,6 +65,17 @@ def trace(tmp_path_factory):
 
 
 
+def _assert_forward_backward_within(spans: dict, compute: dict) -> None:
+    """The step's `forward` then `backward` spans, one after the other, inside its
+    compiled call's span `compute` (µs; 50 of slack: each span converts its own
+    clock reads to wall-clock time)."""
+    assert "forward" in spans, sorted((k, v["ts"], v["dur"]) for k, v in spans.items())
+    forward, backward = spans["forward"], spans["backward"]
+    assert compute["ts"] - 50 <= forward["ts"]
+    assert forward["ts"] + forward["dur"] <= backward["ts"] + 50
+    assert backward["ts"] + backward["dur"] <= compute["ts"] + compute["dur"] + 50
+
+
 def _by_process(events):
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
     out: dict = {}
@@ -90,6 +101,7 @@ def test_every_worker_ps_and_the_driver_have_a_row(trace):
             compute, rest = spans["compute"], spans["decide, receive and apply"]
             # In order, one after the other (microseconds, one clock per process).
             assert compute["ts"] + compute["dur"] <= rest["ts"] + 1
+            _assert_forward_backward_within(spans, compute)
         # One send and one receive per bucket (one per PS here) per step, and every
         # bucket in one of the step's one or two applies.
         for row in ("send", "receive"):
@@ -156,6 +168,9 @@ def test_one_worker_records_its_steps(tmp_path):
     datas = [e for e in spans if e["name"] == "data"]
     for data, compute in zip(datas, computes, strict=True):
         assert data["ts"] + data["dur"] <= compute["ts"] + 1  # (µs, rounded)
+        _assert_forward_backward_within(
+            {e["name"]: e for e in spans if e["args"]["step"] == compute["args"]["step"]},
+            compute)
 
 
 @pytest.mark.slow  # its own 2-worker instance each (~10 s)
@@ -178,7 +193,7 @@ def test_the_driver_relayed_exchanges_record_every_process(tmp_path, options):
         <= set(rows)
     for w in ("worker 0", "worker 1"):
         spans = rows[w]
-        for name in ("data", "compute"):
+        for name in ("data", "compute", "forward", "backward"):
             assert sorted(e["args"]["step"] for e in spans if e["name"] == name) == \
                 list(range(1, STEPS + 1)), name
         writes = [e for e in spans if e["tid"] == "send"]
@@ -199,3 +214,36 @@ def test_the_driver_relayed_exchanges_record_every_process(tmp_path, options):
     driver = rows["driver"]
     assert len([e for e in driver if e["tid"] == "calls"]) == STEPS
     assert len([e for e in driver if e["tid"] == "relay"]) == groups * STEPS
+
+
+@pytest.mark.slow  # its own 2-worker Trainer (~10 s)
+@pytest.mark.cluster
+@pytest.mark.usefixtures("ray_local")
+def test_a_trainers_custom_epoch_records_each_train_step(tmp_path):
+    """A TrainingOperator's own train_epoch: each train_step's compute (forward,
+    backward), exchange and apply on each worker's "train_step" row, by epoch
+    and step; each PS's sums."""
+    from trainer_ops import CustomEpochClassifier
+
+    path = str(tmp_path / "custom.json")
+    with dsgd.Trainer(CustomEpochClassifier, num_workers=2, config={dsgd.BATCH_SIZE: 16},
+                      timeline=path) as trainer:
+        result = trainer.train()
+    rows = _by_process(json.load(open(path))["traceEvents"])
+    steps = int(result["batch_count"])  # (per worker)
+    assert steps >= 2
+    for w in ("worker 0", "worker 1"):
+        spans = [e for e in rows[w] if e["tid"] == "train_step"]
+        by_step: dict = {}
+        for e in spans:
+            assert e["args"]["epoch"] == 1
+            by_step.setdefault(e["args"]["step"], {})[e["name"]] = e
+        assert sorted(by_step) == list(range(1, steps + 1))
+        for named in by_step.values():
+            compute, exchange, apply = named["compute"], named["exchange"], named["apply"]
+            assert compute["ts"] + compute["dur"] <= exchange["ts"] + 2
+            assert exchange["ts"] + exchange["dur"] <= apply["ts"] + 2
+            _assert_forward_backward_within(named, compute)
+        assert len([e for e in rows[w] if e["tid"] == "send"]) >= steps  # each group's send
+    sums = [e for p in rows if p.startswith("PS ") for e in rows[p] if e["name"] == "sum group"]
+    assert len(sums) >= steps

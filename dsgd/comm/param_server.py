@@ -201,10 +201,8 @@ class ParameterServer:
                 meeting = self._meeting(("reduce", seq, b))
                 if meeting.settled:
                     continue
-                meeting.needed, meeting.settled = tuple(chosen), True
-                for r in [r for r in meeting.parts if r not in meeting.needed]:
-                    del meeting.parts[r]
-                if self._ready(meeting):
+                meeting.settle(chosen)
+                if meeting.claim():
                     ready.append(meeting)
         for meeting in ready:
             self._combine(meeting)
@@ -360,16 +358,14 @@ class ParameterServer:
             self._end_older_attempts(key[1] >> ATTEMPT_SHIFT)
             meeting = self._meeting(key)
             if needed is not None and not meeting.settled:
-                meeting.needed, meeting.settled = tuple(needed), True
-                for r in [r for r in meeting.parts if r not in meeting.needed]:
-                    del meeting.parts[r]
+                meeting.settle(needed)
             elif not meeting.settled:
                 meeting.needed = tuple(range(world))  # (until chosen, any of them may be)
             meeting.combine = meeting.combine or combine
             if part is not _OBSERVER and (not meeting.settled or rank in meeting.needed):
                 meeting.parts[rank] = part
             part = None  # the meeting holds it (not this frame)
-            last = self._ready(meeting)
+            last = meeting.claim()
         if last:  # combine outside the lock: other exchanges keep arriving meanwhile
             self._combine(meeting)
         with self._arrivals:
@@ -384,15 +380,6 @@ class ParameterServer:
         if meeting.error is not None:
             raise meeting.error
         return meeting.result
-
-    @staticmethod
-    def _ready(meeting: _Rendezvous) -> bool:
-        """(holding `_arrivals`) Whether `meeting` is to be combined now (by the
-        caller, outside the lock: it is marked as combining)."""
-        last = meeting.settled and not meeting.combining and \
-            all(r in meeting.parts for r in meeting.needed)
-        meeting.combining = meeting.combining or last
-        return last
 
     def _combine(self, meeting: _Rendezvous) -> None:
         """Make `meeting`'s result (not holding `_arrivals`: other exchanges keep
@@ -445,6 +432,22 @@ class _Rendezvous:
         self.result = self.error = None
         self.served: set = set()  # the ranks that have the result (or are gone)
         self.world = 0
+
+    def settle(self, needed) -> None:
+        """The ranks whose parts make the result are `needed` (known now); the
+        parts of the others are dropped."""
+        self.needed, self.settled = tuple(needed), True
+        for r in [r for r in self.parts if r not in self.needed]:
+            del self.parts[r]
+
+    def claim(self) -> bool:
+        """(holding the PS's `_arrivals`) Whether this meeting is to be combined now,
+        by the caller (outside the lock): its contributors are known and all their
+        parts are in; it is then marked as combining, so only one caller does it."""
+        last = self.settled and not self.combining and \
+            all(r in self.parts for r in self.needed)
+        self.combining = self.combining or last
+        return last
 
     def finish(self, result, error) -> None:
         self.result, self.error, self.done = result, error, True

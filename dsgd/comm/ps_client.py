@@ -308,8 +308,11 @@ class Sending:
         # Backup workers: the parts leave before the step's contributors are chosen
         # (`choose`); each PS keeps them until told (`ParameterServer.settle`).
         self.chosen_later = client.choosing
-        self.chosen: tuple[int, ...] | None = None  # the contributors, once chosen
+        # The contributors, once chosen: only their deaths end a wait for a mean (a late
+        # worker that dies is the driver's to replace, not this step's).
+        self.chosen: tuple[int, ...] | None = None
         self._means: dict = {}  # group -> its mean, read ahead by `collect`
+        self._later: list = []  # the futures of `send_later`
         self._lock = threading.Lock()
 
     def send(self, g: int, part: tuple | None) -> None:
@@ -332,6 +335,23 @@ class Sending:
         if tl.on:
             tl.add(f"send group {g}" if part is not None else f"join group {g}", "send",
                    start, time.time(), ps=ps, exchange=self.seq & _STEP_BITS)
+
+    def send_later(self, g: int, part: tuple) -> None:
+        """`send`, from this worker's sender thread (`SENDER`): returns at once,
+        so the TensorFlow thread that calls it (the bucket's op in the compiled
+        step) is free for the rest of the backward pass. `part`'s arrays must
+        stay valid until sent: numpy views of TensorFlow tensors do (each holds
+        its tensor). Sent in the order called; `flush` waits for them."""
+        self._later.append(_sender().submit(self.send, g, part))
+
+    def flush(self, raising: bool = True) -> None:
+        """Wait for every `send_later` of this step; raises the first one's error
+        (`raising`). Blocks (each send puts and calls without waiting for its PS)."""
+        later, self._later = self._later, []
+        errors = [f.exception() for f in later]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None and raising:
+            raise first
 
     def send_rest(self) -> None:
         """Send every group not sent yet with no gradient (this worker's step
@@ -414,7 +434,7 @@ class Sending:
         try:
             answers = client._wait([self.answers[g] for g in todo],
                                    [self.layout.ps_of_group[g] for g in todo], self.seq,
-                                   self.label)
+                                   self.label, watch=self.chosen)
             means = ray.get([a[0] for a in answers], timeout=max(1.0, client.timeout_s))
         except actor_died_errors():  # (ObjectLostError included) each group is `mean`'s
             return
@@ -449,7 +469,8 @@ class Sending:
             return self._means.pop(g)
         client, ps = self.client, self.layout.ps_of_group[g]
         try:
-            result_ref = client._wait([self.answers[g]], [ps], self.seq, self.label)[0][0]
+            result_ref = client._wait([self.answers[g]], [ps], self.seq, self.label,
+                                      watch=self.chosen)[0][0]
             means = ray.get(result_ref, timeout=max(1.0, client.timeout_s))
         except (*actor_died_errors(), ray.exceptions.ObjectLostError) as e:
             dead = getattr(e, "dead_ps", None)
@@ -488,6 +509,21 @@ class Sending:
             raise RuntimeError(f"a worker no longer holds its part of group {g}")
         parts = ray.get([r[0] for r in refs], timeout=client.timeout_s)
         return group_means(self.layout.shards(g), parts)
+
+
+_SENDER = None
+_SENDER_LOCK = threading.Lock()
+
+
+def _sender():
+    """This process's one sender thread (`Sending.send_later`), made at first use."""
+    global _SENDER
+    with _SENDER_LOCK:
+        if _SENDER is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _SENDER = ThreadPoolExecutor(1, thread_name_prefix="dsgd-send")
+        return _SENDER
 
 
 def died(what: str, ps: Sequence[int] = ()) -> Exception:

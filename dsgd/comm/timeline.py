@@ -12,7 +12,8 @@ process, named ("driver", "worker 0", "PS 1", ...), and within a worker one
 row per kind of work:
 
 - worker, "step": `data` (its batches), `compute` (forward, backward and the
-  mean over its replicas, one compiled call), `exchange` (from the first group
+  mean over its replicas, one compiled call; `forward` and `backward` inside
+  it, split where the loss exists: Replicas.mark_forward), `exchange` (from the first group
   sent to the last mean read), `apply`; "send": each group's `put + send`;
 - PS, "sum": each group's sum over the workers (`sum group`), with the step's
   exchange number;

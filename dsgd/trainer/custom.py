@@ -42,17 +42,24 @@ class CustomSteps:
                                ctx["rank"], ctx["world"], ctx["timeout_s"],
                                "custom train_epoch", seq_base=ctx["seq_base"], peers=ctx["peers"])
         self.steps = self.samples = 0
+        self.epoch = ctx.get("epoch")
 
     def step(self, batch) -> dict:
         """One step of every worker on this worker's `batch` (split among its
         replicas). Blocks until applied. Returns this worker's values: "loss"
         (mean over its replicas), train_batch's metrics, "num_samples"."""
+        import time
+
+        from dsgd.comm import timeline
         from dsgd.data.batching import num_rows
         from dsgd.trainer.replica import split_uneven
 
         replicas = self.replicas
+        tl = timeline.recorder()
+        started = time.perf_counter()
         rows = num_rows(batch)
         parts = split_uneven(batch, replicas.num_devices)
+        self.worker._begin_compute()
         if self.world == 1:
             losses, finite, metrics = replicas.local_step(parts)
             finite = finite.numpy().tolist()
@@ -62,11 +69,13 @@ class CustomSteps:
                                      "holds NaN/Inf; the update was applied (one worker)")
         else:
             losses, finite, flat, metrics = replicas.compute(parts)
+            computed = time.perf_counter()
             # A dead peer ends the wait at once (ActorDiedError, which the driver's
             # policy recovers from: the epoch runs again on the new group); a hung one
             # after step_timeout_s (StepTimeoutError naming it).
             means = self.client.reduce_pieces(self.layout, replicas.shard_pieces(flat),
                                               label=f"step {self.steps + 1}")
+            exchanged = time.perf_counter()
             if replicas.check_finite and not _all_finite(means):
                 if not replicas.gate_apply:  # every worker sees the same mean: all raise
                     raise NonFiniteError(f"custom train_epoch, step {self.steps + 1}: the mean "
@@ -74,6 +83,15 @@ class CustomSteps:
                                          f"finite={finite.numpy().tolist()}); nothing applied")
             else:
                 replicas.apply(means)
+            if tl.on:  # (train_step's own row: the Trainer's custom epochs, by epoch step)
+                to_wall = time.time() - time.perf_counter()
+                step, end = self.steps + 1, time.perf_counter()
+                for name, a, b in (("compute", started, computed),
+                                   ("exchange", computed, exchanged), ("apply", exchanged, end)):
+                    tl.add(name, "train_step", a + to_wall, b + to_wall, step=step,
+                           epoch=self.epoch)
+                self.worker._forward_backward(tl, started, computed, step, "train_step",
+                                              epoch=self.epoch)
         # Not counted in worker.applied_steps: that counts the engine's steps, which
         # recovery compares with the driver's count (dsgd/engine/failures.py).
         self.steps += 1
@@ -93,8 +111,9 @@ def custom_train_epoch(worker, ctx: dict, state: dict, epoch: int, info: dict | 
     replica 0's operator's `train_epoch` over this worker's batches (`ctx["source"]`).
     Returns {"result": what train_epoch returned, "steps", "num_samples"}."""
     worker.set_full_state(state)
+    worker._timeline(ctx.get("timeline", False))  # (timeline=: each train_step's spans)
     operator = worker.replicas.replicas[0].operator
-    steps = CustomSteps(worker, ctx)
+    steps = CustomSteps(worker, {**ctx, "epoch": epoch})
     operator._stepper = steps
     try:
         result = operator.train_epoch(batches(ctx["source"], worker),

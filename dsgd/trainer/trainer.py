@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from dsgd import constants
+from dsgd.comm import ps_client
 from dsgd.config import check_picklable
 from dsgd.data import Dataset
 from dsgd.data.dataset import is_ray_dataset
@@ -291,14 +292,20 @@ class Trainer:
             workers = self.sgd.workers
             sources = self._train_sources(data, num_steps, len(workers))
             base = next(self._exchange_runs) * 10**9
+            recording = self.sgd.config.timeline is not None
+            if recording:  # (the PS actors record their sums too)
+                ps_client.enable_timeline(self.sgd.ps_actors, True)
             return [{"rank": r, "world": len(workers), "peers": workers,
                      "ps": self.sgd.ps_actors, "layout": self.sgd.exchange_layout,
-                     "timeout_s": self.sgd.step_timeout_s, "seq_base": base, "source": source}
+                     "timeout_s": self.sgd.step_timeout_s, "seq_base": base, "source": source,
+                     "timeline": recording}
                     for r, source in enumerate(sources)]
 
         outs = self.sgd.run_on_workers(
             custom_train_epoch, contexts, state, epoch, info, what=f"epoch {epoch}: train_epoch",
             timeout_s=self._custom_timeout(data, num_steps))
+        if self.sgd.config.timeline is not None:
+            self.sgd.write_timeline()  # (as train() does after each call)
         rows = []
         for out in outs:
             row = {"epoch": epoch, "num_samples": out["num_samples"], "batch_count": out["steps"]}

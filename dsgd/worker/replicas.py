@@ -33,6 +33,10 @@ class Replicas:
         self.replicas: list[Model] = []
         self.plan: ShardPlan | None = None
         self.eager = False  # local mode: steps run uncompiled (dsgd/engine/local.py)
+        # timeline=: the compiled steps note when every replica's forward pass has
+        # ended (`forward_at`, perf_counter; None when not noted). Off: no such op.
+        self._mark_forward = False
+        self.forward_at: float | None = None
 
     def setup(self) -> dict:
         """Configure devices and build the replicas. Returns the variable signature
@@ -136,6 +140,27 @@ class Replicas:
         self._sending_fns: dict = {}  # shard groups -> compiled compute_sending
         self.sender: Callable | None = None  # compute_sending's receiver, set per step
         self.pending_applied, self.applied_at = True, None  # compute_sending(pending=...)
+
+    @property
+    def mark_forward(self) -> bool:
+        """Whether the compiled steps note the end of the forward pass (the
+        timeline's `forward`/`backward` spans): one `tf.numpy_function` per
+        replica and step, fed by its loss, so only while a timeline records.
+        Setting it to a new value compiles the steps again (at their next call)."""
+        return self._mark_forward
+
+    @mark_forward.setter
+    def mark_forward(self, on: bool) -> None:
+        if bool(on) != self._mark_forward:
+            self._mark_forward = bool(on)
+            if self.plan is not None:
+                sender = self.sender
+                self.retrace()
+                self.sender = sender
+
+    def _forward_done(self, loss: np.ndarray) -> np.ndarray:
+        self.forward_at = time.perf_counter()  # (the last replica's, with several)
+        return loss
 
     def local_step(self, batches: list | None = None):
         """Batches (one per replica; None: each replica's `get_batch()`) ->
@@ -382,7 +407,14 @@ class Replicas:
                 del tape
                 grads.append([tf.zeros(v.shape, v.dtype) if g is None else tf.convert_to_tensor(g)
                               for g, v in zip(raw, self.variables[i])])
-                losses.append(tf.add_n([tf.cast(o, tf.float32) for o in objectives]))
+                loss = tf.add_n([tf.cast(o, tf.float32) for o in objectives])
+                if self._mark_forward:
+                    # Runs once the loss exists, beside the backward pass; the loss passes
+                    # through it (an op whose output fed only a control dependency was
+                    # pruned by grappler).
+                    loss = tf.reshape(tf.numpy_function(self._forward_done, [loss],
+                                                        tf.float32, stateful=False), [])
+                losses.append(loss)
                 metrics.append(extra)
                 flags.append(_finite_flags(grads[-1], self.gpu) if self.check_finite
                              else [None] * len(grads[-1]))

@@ -77,6 +77,9 @@ class Worker:
         # least this share of the gradient's bytes (constants.APPLY_SPLIT_MIN_PENDING).
         self.split_apply = constants.APPLY_SPLIT_MIN_PENDING
         self.fell_back = 0  # buckets this worker averaged itself (their PS died)
+        # Overlapped steps: each bucket's put and call from a sender thread, not from
+        # the TensorFlow thread of its op (Sending.send_later; benchmarks/overlap.py).
+        self.send_thread = constants.SEND_THREAD
         # Overlapped steps: apply a decided step's means inside the next step's compiled
         # call when one follows in the same exchange_steps call (`_Pending`).
         self.defer_apply = True
@@ -160,7 +163,9 @@ class Worker:
         if batches is None:
             return {"epoch_end": True}
         data_s = time.perf_counter() - start
+        self._begin_compute()
         losses, finite, metrics = self.replicas.local_step(batches)
+        computed = time.perf_counter()
         finite = finite.numpy().tolist()
         applied = all(finite) or not self.replicas.gate_apply
         self.applied_steps += applied
@@ -170,8 +175,9 @@ class Worker:
             to_wall = time.time() - time.perf_counter()
             tl.add("data", "step", start + to_wall, start + data_s + to_wall,
                    step=self.applied_steps)
-            tl.add("compute and apply", "step", start + data_s + to_wall, time.time(),
+            tl.add("compute and apply", "step", start + data_s + to_wall, computed + to_wall,
                    step=self.applied_steps)
+            self._forward_backward(tl, start + data_s, computed, self.applied_steps)
         return {"losses": losses.numpy().tolist(), "finite": finite, "applied": applied,
                 "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
                 "samples": samples, "data_s": data_s, "compute_s": time.perf_counter() - start}
@@ -390,6 +396,7 @@ class Worker:
         try:
             batches, samples = self._batches(data)
             data_s = time.perf_counter() - start
+            self._begin_compute()
             computed = self.replicas.compute(batches) if batches is not None else None
         except Exception as e:
             # Tell the other workers (no gradient, this error) so that they stop now
@@ -458,9 +465,11 @@ class Worker:
         self._sendings[seq] = sending
         shards = self.replicas.plan.shards
 
+        put = sending.send_later if self.send_thread else sending.send
+
         def send(g: int, arrays: dict) -> None:
-            sending.send(g, tuple(arrays[p.var_index][p.var_offset:p.var_offset + p.length]
-                                  for j in buckets.groups[g] for p in shards[j].pieces))
+            put(g, tuple(arrays[p.var_index][p.var_offset:p.var_offset + p.length]
+                         for j in buckets.groups[g] for p in shards[j].pieces))
 
         pending = self._pending  # the last step's means, applied in this step's call
         fused = None
@@ -469,13 +478,18 @@ class Worker:
             data_s = time.perf_counter() - start
             computed = None
             if batches is not None:
+                self._begin_compute()
                 self.replicas.sender = send
                 try:
                     fused = time.perf_counter() if pending is not None else None
                     computed = self.replicas.compute_sending(
                         buckets.groups, batches, pending=None if pending is None else pending.shards)
+                except BaseException:
+                    sending.flush(raising=False)  # (before send_rest: none in flight)
+                    raise
                 finally:
                     self.replicas.sender = None
+                sending.flush()
                 if fused is not None:
                     self._pending_applied(pending, fused)
         except Exception as e:
@@ -731,6 +745,7 @@ class Worker:
             try:
                 batches, samples = self._batches(data)
                 data_s = time.perf_counter() - start
+                self._begin_compute()
                 computed = self.replicas.compute(batches) if batches is not None else None
             except Exception as e:
                 try:  # (chosen, it stops the others at once: commit.decide names it)
@@ -807,6 +822,8 @@ class Worker:
         for name, a, b in spans:
             if b > a:
                 tl.add(name, "step", a + to_wall, b + to_wall, step=step)
+        if not sat_out:
+            self._forward_backward(tl, computed, sent, step)
 
     def _keep_metas(self, seq: int, metas: list) -> None:
         """Keep step `seq`'s metas (rank order), at least a whole call's: the
@@ -854,6 +871,7 @@ class Worker:
             yield {"epoch_end": True}
             return
         data_s = time.perf_counter() - start
+        self._begin_compute()
         losses, finite, flat_grads, metrics = self.replicas.compute(batches)
         pieces = self.replicas.shard_pieces(flat_grads)
         step = self.applied_steps + 1
@@ -861,6 +879,7 @@ class Worker:
             to_wall = time.time() - time.perf_counter()
             tl.add("data", "step", start + to_wall, start + data_s + to_wall, step=step)
             tl.add("compute", "step", start + data_s + to_wall, time.time(), step=step)
+            self._forward_backward(tl, start + data_s, time.perf_counter(), step)
         yield {"losses": losses.numpy().tolist(), "finite": finite.numpy().tolist(),
                "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
                "samples": samples, "data_s": data_s, "compute_s": time.perf_counter() - start}
@@ -869,6 +888,22 @@ class Worker:
             yield tuple(piece for j in group for piece in pieces[j])
             if tl.on:  # (resumed once Ray has the group in the store)
                 tl.add(f"write group {g}", "send", written, time.time(), step=step)
+
+    def _forward_backward(self, tl, computed: float, end: float, step: int,
+                          row: str = "step", **args) -> None:
+        """The timeline's `forward` and `backward` spans within a compiled call
+        begun at `computed` and ended at `end` (perf_counter), where the call
+        noted the forward pass's end (Replicas.mark_forward)."""
+        forward = self.replicas.forward_at
+        if tl.on and forward is not None and computed <= forward <= end:
+            to_wall = time.time() - time.perf_counter()
+            tl.add("forward", row, computed + to_wall, forward + to_wall, step=step, **args)
+            tl.add("backward", row, forward + to_wall, end + to_wall, step=step, **args)
+
+    def _begin_compute(self) -> None:
+        """Before a compiled step: note its forward pass's end iff a timeline records."""
+        self.replicas.mark_forward = timeline.recorder().on
+        self.replicas.forward_at = None
 
     def _timeline(self, on: bool):
         """This worker's recorder, turned on or off as the driver's call says."""
