@@ -371,11 +371,13 @@ class ParameterServer:
         with self._arrivals:
             if not self._arrivals.wait_for(lambda: meeting.done, self.rendezvous_timeout_s):
                 missing = sorted(set(meeting.needed) - set(meeting.parts))
+                what = f"rank(s) {missing} of {world} did not arrive" if meeting.settled else \
+                    "the step's contributors were never settled (backup workers: PS 0 chose " \
+                    "none, or no contributor told this PS)"
                 raise TimeoutError(
                     f"dsgd PS {self.ps_index}: {key[0]} {key[1]}"
                     + (f" (bucket {key[2]})" if len(key) > 2 else "")
-                    + f": rank(s) {missing} of {world} "
-                    f"did not arrive within {self.rendezvous_timeout_s:.0f} s")
+                    + f": {what} within {self.rendezvous_timeout_s:.0f} s")
             self._served(key, meeting, rank, world)
         if meeting.error is not None:
             raise meeting.error

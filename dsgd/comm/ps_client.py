@@ -337,7 +337,7 @@ class Sending:
                    start, time.time(), ps=ps, exchange=self.seq & _STEP_BITS)
 
     def send_later(self, g: int, part: tuple) -> None:
-        """`send`, from this worker's sender thread (`SENDER`): returns at once,
+        """`send`, from this process's sender thread (`_sender`): returns at once,
         so the TensorFlow thread that calls it (the bucket's op in the compiled
         step) is free for the rest of the backward pass. `part`'s arrays must
         stay valid until sent: numpy views of TensorFlow tensors do (each holds
@@ -346,9 +346,18 @@ class Sending:
 
     def flush(self, raising: bool = True) -> None:
         """Wait for every `send_later` of this step; raises the first one's error
-        (`raising`). Blocks (each send puts and calls without waiting for its PS)."""
+        (`raising`), or StepTimeoutError if they are not all sent within the
+        client's `timeout_s` (each send puts and calls without waiting for its
+        PS: only a store that never frees room holds one that long). Blocks."""
+        from concurrent.futures import wait
+
         later, self._later = self._later, []
-        errors = [f.exception() for f in later]
+        _, unsent = wait(later, timeout=self.client.timeout_s)
+        if unsent and raising:
+            raise StepTimeoutError(f"{self.client.what} {self.label}: {len(unsent)} bucket(s) "
+                                   f"not sent after {self.client.timeout_s:.1f} s (the object "
+                                   "store full?)")
+        errors = [f.exception() for f in later if f.done()]
         first = next((e for e in errors if e is not None), None)
         if first is not None and raising:
             raise first

@@ -289,7 +289,7 @@ class ExchangeStep:
         contributors, streams = self._contributors, self._contributor_streams()
         mean_refs, grad_refs = [], []
         for g, shards in enumerate(topology.group_shards):
-            waited = time.time()
+            waited = time.time() if self._recorder.on else 0.0
             refs = self.actors.next_all(streams, contributors,
                                         f"{self.label}: writing shard group {g}", self.time_left())
             if config.strategy == "ps":

@@ -59,7 +59,6 @@ class CustomSteps:
         started = time.perf_counter()
         rows = num_rows(batch)
         parts = split_uneven(batch, replicas.num_devices)
-        self.worker._begin_compute()
         if self.world == 1:
             losses, finite, metrics = replicas.local_step(parts)
             finite = finite.numpy().tolist()
@@ -68,6 +67,7 @@ class CustomSteps:
                                      f"{[i for i, f in enumerate(finite) if not f]}'s gradient "
                                      "holds NaN/Inf; the update was applied (one worker)")
         else:
+            self.worker.begin_compute()  # (timeline=: the forward pass's end noted)
             losses, finite, flat, metrics = replicas.compute(parts)
             computed = time.perf_counter()
             # A dead peer ends the wait at once (ActorDiedError, which the driver's
@@ -90,7 +90,7 @@ class CustomSteps:
                                    ("exchange", computed, exchanged), ("apply", exchanged, end)):
                     tl.add(name, "train_step", a + to_wall, b + to_wall, step=step,
                            epoch=self.epoch)
-                self.worker._forward_backward(tl, started, computed, step, "train_step",
+                self.worker.forward_backward_spans(tl, started, computed, step, "train_step",
                                               epoch=self.epoch)
         # Not counted in worker.applied_steps: that counts the engine's steps, which
         # recovery compares with the driver's count (dsgd/engine/failures.py).
@@ -111,7 +111,7 @@ def custom_train_epoch(worker, ctx: dict, state: dict, epoch: int, info: dict | 
     replica 0's operator's `train_epoch` over this worker's batches (`ctx["source"]`).
     Returns {"result": what train_epoch returned, "steps", "num_samples"}."""
     worker.set_full_state(state)
-    worker._timeline(ctx.get("timeline", False))  # (timeline=: each train_step's spans)
+    worker.use_timeline(ctx.get("timeline", False))  # (timeline=: each train_step's spans)
     operator = worker.replicas.replicas[0].operator
     steps = CustomSteps(worker, {**ctx, "epoch": epoch})
     operator._stepper = steps

@@ -163,7 +163,7 @@ class Worker:
         if batches is None:
             return {"epoch_end": True}
         data_s = time.perf_counter() - start
-        self._begin_compute()
+        self.begin_compute()
         losses, finite, metrics = self.replicas.local_step(batches)
         computed = time.perf_counter()
         finite = finite.numpy().tolist()
@@ -177,7 +177,7 @@ class Worker:
                    step=self.applied_steps)
             tl.add("compute and apply", "step", start + data_s + to_wall, computed + to_wall,
                    step=self.applied_steps)
-            self._forward_backward(tl, start + data_s, computed, self.applied_steps)
+            self.forward_backward_spans(tl, start + data_s, computed, self.applied_steps)
         return {"losses": losses.numpy().tolist(), "finite": finite, "applied": applied,
                 "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
                 "samples": samples, "data_s": data_s, "compute_s": time.perf_counter() - start}
@@ -396,7 +396,7 @@ class Worker:
         try:
             batches, samples = self._batches(data)
             data_s = time.perf_counter() - start
-            self._begin_compute()
+            self.begin_compute()
             computed = self.replicas.compute(batches) if batches is not None else None
         except Exception as e:
             # Tell the other workers (no gradient, this error) so that they stop now
@@ -478,7 +478,7 @@ class Worker:
             data_s = time.perf_counter() - start
             computed = None
             if batches is not None:
-                self._begin_compute()
+                self.begin_compute()
                 self.replicas.sender = send
                 try:
                     fused = time.perf_counter() if pending is not None else None
@@ -503,16 +503,24 @@ class Worker:
             try:  # no PS or peer waits for this worker's gradient: they stop now
                 sending.send_rest()
                 failed = commit.meta(self.worker_index, None, None, e)
-                sending.choose(failed) if choosing else sending.metas(failed)
+                if choosing:
+                    sending.choose(failed)
+                else:
+                    sending.metas(failed)
             except Exception:  # noqa: BLE001 - this worker's own error is the one to report
                 pass
             raise
         if computed is None:
             sending.send_rest()
             ended = commit.meta(self.worker_index, None, None)
-            commit.decide(sending.choose(ended)[1] if choosing else sending.metas(ended),
-                          on_nonfinite)  # raises unless every worker's epoch ended
-            return {"epoch_end": True}
+            if not choosing:
+                commit.decide(sending.metas(ended), on_nonfinite)  # raises unless every
+                return {"epoch_end": True}                         # worker's epoch ended
+            # (backup workers: the contributors may still have had data; then this worker
+            # applies their step, as `_backup_step` does)
+            chosen, metas, contributed = sending.choose(ended)
+            self._late = not contributed
+            return self._observe(seq, sending, chosen, metas, start, sat_out=False)
         losses, finite, metrics, _ = computed
         finite = finite.numpy().tolist()
         computed_at = time.perf_counter()
@@ -540,6 +548,9 @@ class Worker:
             self._sendings = {seq: sending}
             self._keep_metas(seq, metas)
         decision = commit.decide(metas, on_nonfinite)
+        if decision.action == commit.EPOCH_END:  # (backup workers: the contributors' data
+            sending.release_means()                # ended, this worker's not yet)
+            return {"epoch_end": True}
         apply_s = 0.0
         if decision.action == commit.APPLY:
             apply_s = self._apply_arriving(sending, buckets)
@@ -570,15 +581,25 @@ class Worker:
         computed; every bucket is joined without a part and the means applied as
         they arrive. A step of its own kept for this call (`_Pending`) is applied
         first, on its own."""
-        from dsgd.comm import commit
-
-        client, _, on_nonfinite = self._exchange
+        client = self._exchange[0]
         self._flush_pending()
         chosen, metas, _ = answer
         sending = client.sending(self._buckets, seq, label)
         sending.chosen = tuple(chosen)
         sending.send_rest()  # (not a contributor: each PS drops a part, and needs none)
         self._sendings[seq] = sending
+        return self._observe(seq, sending, chosen, metas, start, sat_out=True)
+
+    def _observe(self, seq: int, sending, chosen: list[int], metas: list[dict], start: float,
+                 sat_out: bool) -> dict:
+        """(backup workers, overlapped) Step `seq` without a part of this worker's
+        in its mean (`chosen`: its contributors, `metas` theirs): decide it as they
+        do and apply the means as they arrive. `sat_out`: nothing was computed
+        (else this worker's data had ended). Returns the step's report."""
+        from dsgd.comm import commit
+
+        on_nonfinite = self._exchange[2]
+        self._sendings = {k: v for k, v in self._sendings.items() if k >= seq - 1}
         self._keep_metas(seq, self._by_rank(chosen, metas))
         decision = commit.decide(metas, on_nonfinite)
         if decision.action == commit.EPOCH_END:
@@ -594,12 +615,12 @@ class Worker:
             self.fell_back += len(sending.fell_back)
             self._dead_ps = sorted({self._buckets.ps_of_group[g] for g in sending.fell_back})
         end = time.perf_counter()
-        self._record_step(seq, start, sent, sent, end, sat_out=True, overlapped=True)
+        self._record_step(seq, start, sent, sent, end, sat_out=sat_out, overlapped=True)
         return {"exchange_s": end - sent - apply_s, "apply_s": apply_s,
                 "applied": decision.action == commit.APPLY, "decision": decision.action,
                 "nonfinite": list(decision.nonfinite),
                 "contributors": sorted(m["slot"] for m in metas),
-                "contributed": False, "sat_out": True}
+                "contributed": False, "sat_out": sat_out}
 
     def _apply_arriving(self, sending, buckets) -> float:
         """Apply the step's means as they arrive, in the order the backward pass
@@ -745,7 +766,7 @@ class Worker:
             try:
                 batches, samples = self._batches(data)
                 data_s = time.perf_counter() - start
-                self._begin_compute()
+                self.begin_compute()
                 computed = self.replicas.compute(batches) if batches is not None else None
             except Exception as e:
                 try:  # (chosen, it stops the others at once: commit.decide names it)
@@ -776,10 +797,7 @@ class Worker:
         means, metas = client.step_of(layout, pieces, mine or {"slot": self.worker_index}, seq,
                                       label, chosen)
         self._late = not contributed
-        full: list = [None] * client.world
-        for r, m in zip(chosen, metas):
-            full[r] = m
-        self._keep_metas(seq, full)
+        self._keep_metas(seq, self._by_rank(chosen, metas))
         decision = commit.decide(metas, on_nonfinite)
         if decision.action == commit.EPOCH_END:
             return {"epoch_end": True}
@@ -823,7 +841,7 @@ class Worker:
             if b > a:
                 tl.add(name, "step", a + to_wall, b + to_wall, step=step)
         if not sat_out:
-            self._forward_backward(tl, computed, sent, step)
+            self.forward_backward_spans(tl, computed, sent, step)
 
     def _keep_metas(self, seq: int, metas: list) -> None:
         """Keep step `seq`'s metas (rank order), at least a whole call's: the
@@ -864,14 +882,14 @@ class Worker:
         written. At the end of `data`'s epoch it yields only {"epoch_end": True}.
         `timeline_on`: record the step's `data` and `compute` and each group's
         write (the driver-relayed exchange's timeline; dsgd/comm/timeline.py)."""
-        tl = self._timeline(timeline_on)
+        tl = self.use_timeline(timeline_on)
         start = time.perf_counter()
         batches, samples = self._batches(data)
         if batches is None:
             yield {"epoch_end": True}
             return
         data_s = time.perf_counter() - start
-        self._begin_compute()
+        self.begin_compute()
         losses, finite, flat_grads, metrics = self.replicas.compute(batches)
         pieces = self.replicas.shard_pieces(flat_grads)
         step = self.applied_steps + 1
@@ -879,17 +897,17 @@ class Worker:
             to_wall = time.time() - time.perf_counter()
             tl.add("data", "step", start + to_wall, start + data_s + to_wall, step=step)
             tl.add("compute", "step", start + data_s + to_wall, time.time(), step=step)
-            self._forward_backward(tl, start + data_s, time.perf_counter(), step)
+            self.forward_backward_spans(tl, start + data_s, time.perf_counter(), step)
         yield {"losses": losses.numpy().tolist(), "finite": finite.numpy().tolist(),
                "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
                "samples": samples, "data_s": data_s, "compute_s": time.perf_counter() - start}
         for g, group in enumerate(groups):  # (Ray's generator wrapper cannot `yield from`)
-            written = time.time()
+            written = time.time() if tl.on else 0.0
             yield tuple(piece for j in group for piece in pieces[j])
             if tl.on:  # (resumed once Ray has the group in the store)
                 tl.add(f"write group {g}", "send", written, time.time(), step=step)
 
-    def _forward_backward(self, tl, computed: float, end: float, step: int,
+    def forward_backward_spans(self, tl, computed: float, end: float, step: int,
                           row: str = "step", **args) -> None:
         """The timeline's `forward` and `backward` spans within a compiled call
         begun at `computed` and ended at `end` (perf_counter), where the call
@@ -900,12 +918,12 @@ class Worker:
             tl.add("forward", row, computed + to_wall, forward + to_wall, step=step, **args)
             tl.add("backward", row, forward + to_wall, end + to_wall, step=step, **args)
 
-    def _begin_compute(self) -> None:
+    def begin_compute(self) -> None:
         """Before a compiled step: note its forward pass's end iff a timeline records."""
         self.replicas.mark_forward = timeline.recorder().on
         self.replicas.forward_at = None
 
-    def _timeline(self, on: bool):
+    def use_timeline(self, on: bool):
         """This worker's recorder, turned on or off as the driver's call says."""
         if on != timeline.recorder().on:
             timeline.enable(f"worker {self.worker_index}", on)
@@ -915,7 +933,6 @@ class Worker:
         """Apply the global mean gradient to every replica. `group_means[g]` holds
         one 1-D array per shard of `groups[g]`, as a PS returns them: read-only
         object-store views, read during the call, not kept."""
-        started = time.time()
         start = time.perf_counter()
         if len(group_means) != len(groups):
             raise DsgdError(f"worker {self.worker_index}: got {len(group_means)} mean groups "
@@ -932,7 +949,8 @@ class Worker:
         self._freeze_gc_once()
         tl = timeline.recorder()
         if tl.on:
-            tl.add("apply", "step", started, time.time(), step=self.applied_steps)
+            to_wall = time.time() - time.perf_counter()
+            tl.add("apply", "step", start + to_wall, time.time(), step=self.applied_steps)
         return {"apply_s": time.perf_counter() - start}
 
     def apply_staged(self, groups: tuple[tuple[int, ...], ...], mean_refs: list,
