@@ -1,7 +1,7 @@
 """How much of the exchange hides behind the compute: an emulated accelerator.
 
     python benchmarks/overlap.py [--layers 8] [--forward-ms 10] [--backward-ms 20]
-                                 [--steps 30] [--rounds 3] [--timeline PATH]
+                                 [--steps 30] [--rounds 3] [--timeline PATH] [--paths 'P;...']
                                  [--out benchmarks/results/overlap.json]
 
 This machine has no GPU; to behave like a GPU node, the model's compute is a
@@ -14,7 +14,7 @@ layers above it have waited: gradients become ready during the backward pass,
 in reverse layer order, as on a GPU. Gradients are cheap constant fills of the
 weight's shape (the exchange moves real 4 MiB tensors).
 
-Eight configurations, interleaved in `--rounds` rounds (medians over the rounds
+Ten configurations, interleaved in `--rounds` rounds (medians over the rounds
 of each one's median step over `--steps` steps of `train()`, batches from a
 `dsgd.Dataset` as in real training):
 - `one, compute`: one worker, the sleeps (no exchange): the compute alone;
@@ -28,7 +28,15 @@ of each one's median step over `--steps` steps of `train()`, batches from a
   its item 3);
 - `two, compute, after backward`: sent after the backward pass (`overlap=False`,
   the step before issue 35): compute + whatever of the exchange is not hidden;
-- the same four with zero sleeps: their differences are each path's own cost.
+- `two, compute, overlapped, sent from a thread`: overlapped, each bucket's put
+  and call from the worker's sender thread (`Worker.send_thread`), not from the
+  TensorFlow thread of its op;
+- the same with zero sleeps: their differences are each path's own cost.
+
+`--paths` picks the two-worker paths, separated by `;` (default: the four above); one more,
+`overlapped, applied before the next, each bucket its own update`
+(`Worker.apply_each_bucket`: an update per bucket as its mean arrives instead of
+at most two), runs only when named there.
 
 `exposed = (two, compute) - (one, compute)`; `own = (two, no compute) - (one, no
 compute)`, for each path; the figure of merit is the overlapped path's
@@ -133,6 +141,9 @@ OVERLAPPED, APPLIED_BEFORE, AFTER = "overlapped", "overlapped, applied before th
 # (overlapped, each bucket's put and call from the worker's sender thread instead of
 # the TensorFlow thread of its op: Worker.send_thread, Sending.send_later)
 THREAD = "overlapped, sent from a thread"
+# (overlapped, applied before the next step, each bucket in its own update as its mean
+# arrives instead of at most two: Worker.apply_each_bucket)
+EACH = "overlapped, applied before the next, each bucket its own update"
 CONFIGS = [("one", True, None), ("two", True, OVERLAPPED), ("two", True, THREAD),
            ("two", True, APPLIED_BEFORE), ("two", True, AFTER), ("one", False, None),
            ("two", False, OVERLAPPED), ("two", False, THREAD), ("two", False, APPLIED_BEFORE),
@@ -149,7 +160,7 @@ def run(workers: str, compute: bool, path: str | None, args,
     import numpy as np
 
     n = 1 if workers == "one" else 2
-    overlap = path in (OVERLAPPED, APPLIED_BEFORE, THREAD)
+    overlap = path in (OVERLAPPED, APPLIED_BEFORE, THREAD, EACH)
     forward = args.forward_ms / 1e3 if compute else 0.0
     backward = args.backward_ms / 1e3 if compute else 0.0
     sgd = dsgd.DistributedSGD(lambda w, d: SleepyModel(args.layers, forward, backward), n, 1,
@@ -159,8 +170,10 @@ def run(workers: str, compute: bool, path: str | None, args,
                               # gpu=True would by default)
                               overlap=overlap)
     try:
-        if path == APPLIED_BEFORE:
+        if path in (APPLIED_BEFORE, EACH):
             sgd.foreach_worker(lambda w: setattr(w, "defer_apply", False))
+        if path == EACH:
+            sgd.foreach_worker(lambda w: setattr(w, "apply_each_bucket", True))
         if path in (OVERLAPPED, THREAD):  # (whatever the default, each as named)
             sgd.foreach_worker(lambda w, t=path == THREAD: setattr(w, "send_thread", t))
         # (batches from a dataset, as in real training: a step is applied in the next
@@ -250,31 +263,46 @@ def main(argv=None) -> dict:
     p.add_argument("--real-steps", type=int, default=8)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                  "overlap.json"))
+    p.add_argument("--paths", default=None,
+                   help="two-worker paths to run, separated by ';' (default: all but "
+                        f"'{EACH}'), e.g. '{APPLIED_BEFORE};{EACH}'; the one-worker "
+                        "rows always run")
     args = p.parse_args(argv)
+    paths = [OVERLAPPED, THREAD, APPLIED_BEFORE, AFTER] if args.paths is None else \
+        [x.strip() for x in args.paths.split(";")]
+    unknown = set(paths) - {OVERLAPPED, THREAD, APPLIED_BEFORE, AFTER, EACH}
+    if unknown:
+        p.error(f"--paths: unknown path(s) {sorted(unknown)}")
+    configs = [c for c in CONFIGS + [("two", True, EACH), ("two", False, EACH)]
+               if c[2] is None or c[2] in paths]
 
     import ray
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     rows = []
     for r in range(args.rounds):
-        for workers, compute, path in CONFIGS:
+        for workers, compute, path in configs:
             row = run(workers, compute, path, args)
             row["round"] = r
             rows.append(row)
             print(json.dumps(row), flush=True)
     median = {label(*c): statistics.median(x["median_step_ms"] for x in rows
-                                           if x["config"] == label(*c)) for c in CONFIGS}
+                                           if x["config"] == label(*c)) for c in configs}
     figures = {}
     for name, path in (("overlapped", OVERLAPPED), ("sent_from_a_thread", THREAD),
-                       ("applied_before_the_next", APPLIED_BEFORE), ("after_backward", AFTER)):
+                       ("applied_before_the_next", APPLIED_BEFORE), ("after_backward", AFTER),
+                       ("each_bucket_its_own_update", EACH)):
+        if path not in paths:
+            continue
         exposed = median[label("two", True, path)] - median["one, compute"]
         own = median[label("two", False, path)] - median["one, no compute"]
         figures[name] = {"exposed_ms": exposed, "exchange_own_ms": own,
                          "exposed_over_own": exposed / own if own > 0 else None}
     # The overlapped step's exposed time against the exchange's own cost before
     # issue 35 (sent after the backward pass), both measured here.
-    figures["overlapped"]["exposed_over_own_after_backward"] = (
-        figures["overlapped"]["exposed_ms"] / figures["after_backward"]["exchange_own_ms"])
+    if "overlapped" in figures and "after_backward" in figures:
+        figures["overlapped"]["exposed_over_own_after_backward"] = (
+            figures["overlapped"]["exposed_ms"] / figures["after_backward"]["exchange_own_ms"])
     trace = args.timeline or os.path.join(tempfile.mkdtemp(), "overlap_trace.json")
     run("two", True, OVERLAPPED, args, timeline=trace)
     one_step = timeline_step(trace)
@@ -284,7 +312,7 @@ def main(argv=None) -> dict:
     result = {"benchmark": "overlap", "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
               "no GPU (emulated accelerator: compute is a sleep)", "date": time.strftime("%Y-%m-%d"),
               "commit": commit, "args": vars(args), "grad_mib": 4 * args.layers,
-              "median_step_ms": median, **figures["overlapped"], "figures": figures,
+              "median_step_ms": median, **figures.get("overlapped", {}), "figures": figures,
               "rows": rows,
               "real_models": real, "timeline_step": one_step,
               "target": "exposed_over_own <= 0.25 (issue 35)"}

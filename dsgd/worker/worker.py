@@ -76,6 +76,9 @@ class Worker:
         # Apply the buckets in at the decision before the rest only when the rest is at
         # least this share of the gradient's bytes (constants.APPLY_SPLIT_MIN_PENDING).
         self.split_apply = constants.APPLY_SPLIT_MIN_PENDING
+        # Overlapped steps applied here: each bucket its own update as its mean arrives
+        # (True), instead of at most two (benchmarks/overlap.py measures both).
+        self.apply_each_bucket = False
         self.fell_back = 0  # buckets this worker averaged itself (their PS died)
         # Overlapped steps: each bucket's put and call from a sender thread, not from
         # the TensorFlow thread of its op (Sending.send_later; benchmarks/overlap.py).
@@ -648,9 +651,13 @@ class Worker:
         ready = sending.ready_prefix()
         nbytes = [sum(self.replicas.plan.shards[j].nbytes for j in g) for g in buckets.groups]
         pending = sum(nbytes[ready:]) / max(1, sum(nbytes))
-        if self.replicas.per_group_blocker is not None or ready == 0 or pending < self.split_apply:
+        if self.replicas.per_group_blocker is not None:
             stages = [tuple(range(count))]  # one update of everything
-        else:  # (two updates: more would cost more than they hide, on a CPU at least)
+        elif self.apply_each_bucket:  # (each bucket as its mean arrives)
+            stages = [(b,) for b in range(count)]
+        elif ready == 0 or pending < self.split_apply:
+            stages = [tuple(range(count))]
+        else:  # (two updates: more cost more than they hide, measured: benchmarks/README.md)
             stages = [tuple(range(ready)), tuple(range(ready, count))]
         groups = tuple(tuple(j for b in stage for j in buckets.groups[b]) for stage in stages)
         means: dict = {}
