@@ -82,6 +82,13 @@ class StepResult:
     tallies: dict | None = None
 
 
+def record_call(unit) -> None:
+    """timeline=: a unit's call of steps (ExchangeStep, WorkerSteps) on the driver's
+    "calls" row, from its submission to now (its `_recorder`: OFF records nothing)."""
+    unit._recorder.add(unit.label, "calls", unit._submitted_at, time.time(),
+                       workers=len(unit.workers))
+
+
 class ExchangeStep:
     """One step of several workers (see the module docstring). `data`: one
     argument per worker (None: each replica's get_batch). With backup workers
@@ -374,8 +381,7 @@ class ExchangeStep:
         try:
             return self._finish()
         finally:
-            self._recorder.add(self.label, "calls", self._submitted_at, time.time(),
-                               workers=len(self.workers))
+            record_call(self)
 
     def _finish(self) -> list[StepResult]:
         refs, self._apply_refs = self._apply_refs, None

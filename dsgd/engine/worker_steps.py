@@ -27,7 +27,7 @@ from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
 from dsgd.engine.backups import Stragglers
-from dsgd.engine.step import StepResult
+from dsgd.engine.step import StepResult, record_call
 from dsgd.errors import DsgdError, StepTimeoutError
 
 logger = logging.getLogger("dsgd")
@@ -121,8 +121,7 @@ class WorkerSteps:
         try:
             return self._finish()
         finally:
-            self._recorder.add(self.label, "calls", self._submitted_at, time.time(),
-                               workers=len(self.workers))
+            record_call(self)
 
     def _finish(self) -> list[StepResult]:
         if self.stragglers is not None:

@@ -559,17 +559,23 @@ class Worker:
             apply_s = self._apply_arriving(sending, buckets)
             self.applied_steps += 1
             self._freeze_gc_once()
-        if self._pending is None or self._pending.sending is not sending:
-            sending.release_means()
-        if sending.fell_back:
-            self.fell_back += len(sending.fell_back)
-            self._dead_ps = sorted({buckets.ps_of_group[g] for g in sending.fell_back})
+        self._applied_from(sending)
         end = time.perf_counter()
         report.update(exchange_s=end - computed_at - apply_s, apply_s=apply_s,
                       applied=decision.action == commit.APPLY, decision=decision.action,
                       nonfinite=list(decision.nonfinite))
         self._record_step(seq, start, start + data_s, computed_at, end, overlapped=True)
         return report
+
+    def _applied_from(self, sending) -> None:
+        """A step's means are applied (or kept for the next call: `_Pending`): drop
+        the references to them, and note the buckets averaged here because their
+        PS died (the next step stops at its start naming it)."""
+        if self._pending is None or self._pending.sending is not sending:
+            sending.release_means()
+        if sending.fell_back:
+            self.fell_back += len(sending.fell_back)
+            self._dead_ps = sorted({self._buckets.ps_of_group[g] for g in sending.fell_back})
 
     def _by_rank(self, chosen: list[int], metas: list[dict]) -> list:
         """The contributors' `metas` (in `chosen` order) at their ranks, None elsewhere."""
@@ -612,11 +618,7 @@ class Worker:
         if decision.action == commit.APPLY:
             apply_s = self._apply_arriving(sending, self._buckets)
             self.applied_steps += 1
-        if self._pending is None or self._pending.sending is not sending:
-            sending.release_means()
-        if sending.fell_back:
-            self.fell_back += len(sending.fell_back)
-            self._dead_ps = sorted({self._buckets.ps_of_group[g] for g in sending.fell_back})
+        self._applied_from(sending)
         end = time.perf_counter()
         self._record_step(seq, start, sent, sent, end, sat_out=sat_out, overlapped=True)
         return {"exchange_s": end - sent - apply_s, "apply_s": apply_s,
