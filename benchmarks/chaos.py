@@ -36,6 +36,7 @@ import platform
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -162,7 +163,8 @@ class Chaos(threading.Thread):
             self.faults.append(fault)
             # Wait for dsgd's record of it (a fault the phase's end outran stays None).
             while self.wait_for_recovery and self.active.is_set() and not self.halt.is_set():
-                if len(failures()) > before:
+                # (a failure is recorded when found; its recovery_s once recovered)
+                if len(failures()) > before and failures()[-1]["recovery_s"] is not None:
                     fault["recovered_after_s"] = round(time.perf_counter() - injected, 2)
                     break
                 time.sleep(0.05)
@@ -327,10 +329,15 @@ def main() -> None:
     for f in failures:
         key = f.get("call", "step")
         by_where[key] = by_where.get(key, 0) + 1
-    recovery = [f["recovery_s"] for f in failures]
+    recovery = [f["recovery_s"] for f in failures if f["recovery_s"] is not None]
     after = [f["recovered_after_s"] for f in faults if f["recovered_after_s"] is not None]
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,  # noqa: E731
+                                    cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     result = {
-        "benchmark": "chaos", "device": f"CPU only, {os.cpu_count()} cores ({platform.node()})",
+        "benchmark": "chaos", "date": time.strftime("%Y-%m-%d"),
+        "commit": git("rev-parse", "--short", "HEAD") or "unknown",
+        "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "device": f"CPU only, {os.cpu_count()} cores ({platform.node()})",
         "minutes": args.minutes, "seed": args.seed, "step_timeout_s": STEP_TIMEOUT_S,
         "faults_regardless_of_recovery": args.regardless,
         "faults": len(faults), "faults_by_kind": by_kind,

@@ -65,11 +65,18 @@ PS_NUM_CPUS = 0
 ON_NONFINITE = ("raise", "skip", "ignore")
 """`DistributedSGD(on_nonfinite=)`: what a step does with a NaN/Inf gradient."""
 DEFAULT_MAX_FAILURES = 3
+"""Default `max_failures`: failures (actor deaths, hangs replaced with `replace_hung`, and
+faults met while recovering) a `DistributedSGD` survives over its life."""
 DEFAULT_SNAPSHOT_INTERVAL_S = 60.0
 """Default `snapshot_interval_s`: how often (seconds of training) the driver keeps an
 automatic snapshot of the replicated state in its own memory, so that losing every
 worker at once (a node) is survived without a checkpoint (engine/loop.py)."""
-"""Default `max_failures`: actor deaths a `DistributedSGD` survives over its life."""
+RECOVERY_BACKOFF_S = 0.5
+"""A recovery that follows another with no step completed between them (a retried
+step that failed again, a fault while recovering) first waits this many seconds,
+doubling with each in a row (dsgd/engine/recovery.py `Recovery._back_off`) ..."""
+RECOVERY_BACKOFF_MAX_S = 8.0
+"""... but at most this many seconds."""
 MAX_STALL_WARNING_S = 60.0
 """Longest interval between stall reports while a wait is pending, in seconds:
 the default `stall_warning_s` is `step_timeout_s / 4`, at most this (Horovod's

@@ -295,9 +295,12 @@ def test_a_worker_killed_mid_run_costs_no_step_a_wait_for_its_replacement(tmp_pa
     creator = lambda w, d: KillFrom(w, d, marker)  # noqa: E731
     stats, deadline = [], time.monotonic() + 180
     with make(creator, overlap=overlap) as sgd:
-        while not sgd.failures and time.monotonic() < deadline:
+        # (the failure is recorded when the worker is found dead; its recovery_s once
+        # the replacement has joined)
+        while not (sgd.failures and sgd.failures[0]["recovery_s"] is not None) \
+                and time.monotonic() < deadline:
             stats.append(sgd.step(fetch_stats=True))
-        assert sgd.failures, "the replacement never joined"
+        assert sgd.failures and sgd.failures[0]["recovery_s"], "the replacement never joined"
         joined_after = len(stats)
         # Until the replacement has contributed to a step (its first compute traces
         # the step function: it is late for a while).

@@ -3,10 +3,10 @@
 from dsgd.engine.failures import Status, WorkerStatus, decide
 
 
-def status(workers, dead_ps=(), steps_done=5, failures=1, max_failures=3, elastic=False,
+def status(workers, dead_ps=(), steps_done=5, elastic=False,
            placeable=8, checkpoint=False, between_steps=False, call=None):
     return Status([WorkerStatus(s, a, n) for s, a, n in workers], list(dead_ps), steps_done,
-                  failures, max_failures, elastic, placeable, checkpoint, between_steps, call)
+                  elastic, placeable, checkpoint, between_steps, call)
 
 
 def test_no_death_is_not_recovered():
@@ -50,9 +50,26 @@ def test_survivor_ahead_between_steps_is_not_recovered():
     assert "{0: 6}" in action.reason and "counted 5" in action.reason
 
 
-def test_max_failures():
-    action = decide(status([(0, True, 5), (1, False, None)], failures=4, max_failures=3))
-    assert not action.recover and "max_failures=3" in action.reason
+def test_max_failures_is_one_budget_every_failure_is_charged_to():
+    """Progress.charge: each failure once, in order; the one past max_failures
+    raises naming what died, the step and the cause, and is not recorded."""
+    import pytest
+
+    from dsgd.engine.state import Progress
+    from dsgd.errors import DsgdError
+
+    progress = Progress()
+    for step in (3, 3, 4):
+        index = progress.charge({"step": step, "error": "ActorDiedError", "reason": "r"}, 3,
+                                f"step {step}: worker(s) 1 died")
+        progress.annotate_failure(index, recovery_s=0.5)
+    assert [f["step"] for f in progress.failures] == [3, 3, 4]
+    assert all(f["recovery_s"] == 0.5 for f in progress.failures)
+    cause = RuntimeError("the actor died\nmore")
+    with pytest.raises(DsgdError, match=r"^step 5: worker\(s\) 1 died: failure 4 exceeds "
+                                        r"max_failures=3 \(cause: RuntimeError: the actor died\)$"):
+        progress.charge({"step": 5}, 3, "step 5: worker(s) 1 died", cause)
+    assert len(progress.failures) == 3
 
 
 def test_no_room_without_elastic_is_an_error_naming_the_option():
@@ -88,9 +105,7 @@ def test_loss_in_a_driver_call_replaces_and_takes_the_first_survivors_state():
     assert "during restore_checkpoint" in action.reason and "run again" in action.reason
 
 
-def test_loss_in_a_driver_call_still_obeys_max_failures_and_room():
-    action = decide(status([(0, True, 5), (1, False, None)], failures=4, call="get_weights"))
-    assert not action.recover and "max_failures=3" in action.reason
+def test_loss_in_a_driver_call_still_obeys_room():
     action = decide(status([(0, True, 5), (1, False, None)], placeable=0, call="get_weights"))
     assert not action.recover and "elastic=True" in action.reason
 

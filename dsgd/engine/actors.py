@@ -52,11 +52,14 @@ class ActorSet:
         self._workers: list = []
         self._infos: dict[int, dict] = {}  # slot -> what its setup reported
         self._ps: list = []              # PS j, or None while dead / not started
-        self._names: dict[int, str] = {}  # id(handle) -> actor name
+        # id(handle) -> (handle, actor name): the handle is kept beside its name so that
+        # its id is never reused by a later handle while the entry exists (a replaced
+        # actor's new handle can land at the dead one's address; names never repeat).
+        self._names: dict[int, tuple[object, str]] = {}
         self._joining: dict[int, object] = {}  # slot -> a replacement started in the background
         self._generation = 0
         self._membership = 0
-        self._processes: dict[int, tuple[str, int]] = {}  # id(handle) -> (node id, pid)
+        self._processes: dict[int, tuple[object, str, int]] = {}  # id -> (handle, node id, pid)
         self._closed = False
         self._lock = threading.Lock()  # shutdown (any thread) against starting actors
 
@@ -101,7 +104,7 @@ class ActorSet:
         if self._closed:
             _kill(handle)
             raise DsgdError(f"starting {name}: this DistributedSGD was shut down")
-        self._names[id(handle)] = name
+        self._names[id(handle)] = (handle, name)
 
     def info(self, slot: int) -> dict:
         return self._infos[slot]
@@ -110,7 +113,10 @@ class ActorSet:
         return self._workers[self._slots.index(slot)]
 
     def name(self, handle) -> str:
-        return self._names.get(id(handle), "?")
+        """The actor's name (unique over the instance's life: a replacement's carries
+        a generation tag), "?" for a handle this set did not start."""
+        known = self._names.get(id(handle))
+        return known[1] if known is not None and known[0] is handle else "?"
 
     # -- starting -------------------------------------------------------------
     def _name(self, prefix: str, index: int) -> str:
@@ -180,7 +186,7 @@ class ActorSet:
 
     def _located(self, handle, info: dict) -> None:
         if "pid" in info and "node_id" in info:
-            self._processes[id(handle)] = (info["node_id"], int(info["pid"]))
+            self._processes[id(handle)] = (handle, info["node_id"], int(info["pid"]))
 
     def start_ps(self, indices: list[int], node_ids: list[str], warm_store_bytes: int = 0,
                  rendezvous_timeout_s: float = constants.DEFAULT_STEP_TIMEOUT_S) -> list:
@@ -216,9 +222,10 @@ class ActorSet:
         process, which a hung (e.g. stopped) process never uses: one on this
         node is SIGKILLed at once too, so its resources free for the replacement."""
         _kill(handle)
-        where = self._processes.pop(id(handle), None)
-        if where is not None:
-            _kill_local_process(*where)
+        where = self._processes.get(id(handle))
+        if where is not None and where[0] is handle:
+            del self._processes[id(handle)]
+            _kill_local_process(*where[1:])
 
     def remove_worker(self, slot: int) -> None:
         k = self._slots.index(slot)

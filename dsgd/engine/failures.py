@@ -31,8 +31,6 @@ class Status:
     workers: list[WorkerStatus]
     dead_ps: list[int]             # PS indices that died
     steps_done: int                # steps the driver had completed before the failed one
-    failures: int                  # failures so far, this one included
-    max_failures: int
     elastic: bool
     placeable_workers: int         # new workers the cluster can place right now
     has_checkpoint: bool           # a checkpoint to fall back on if no worker survives
@@ -57,9 +55,9 @@ class Action:
 
 def over_budget(failure: int, max_failures: int, what: str) -> str | None:
     """Why to stop at failure number `failure` (this one included) when it is more
-    than `max_failures`; None when it may be recovered. Every failure the driver
-    counts (a recovery, a PS the workers stood in for, a backup worker's
-    replacement or its failed start) is checked here."""
+    than `max_failures`; None when it may be recovered. The one budget's rule
+    (dsgd/engine/state.py `Progress.charge`, which every failure goes through);
+    `decide` says what to do, the budget whether it may still be done."""
     if failure > max_failures:
         return f"{what}: failure {failure} exceeds max_failures={max_failures}"
     return None
@@ -76,10 +74,7 @@ def decide(status: Status) -> Action:
     survivors = [w for w in status.workers if w.alive]
     if not dead and not status.dead_ps:
         return Action(False, "no actor died, so the error is not one dsgd recovers from")
-    what = _describe(dead, status.dead_ps)
-    stop = over_budget(status.failures, status.max_failures, what)
-    if stop is not None:
-        return Action(False, stop)
+    what = describe(dead, status.dead_ps)
     replace = dead[:max(0, status.placeable_workers)]
     drop = dead[len(replace):]
     if drop and not status.elastic:
@@ -125,7 +120,8 @@ def decide(status: Status) -> Action:
     return Action(True, reason, replace, drop, list(status.dead_ps), source.slot, sync, completed)
 
 
-def _describe(dead_workers: list[int], dead_ps: list[int]) -> str:
+def describe(dead_workers: list[int], dead_ps: list[int]) -> str:
+    """What died, in words ("worker(s) 1 died and PS actor(s) 0 died")."""
     parts = []
     if dead_workers:
         parts.append(f"worker(s) {', '.join(map(str, dead_workers))} died")

@@ -225,8 +225,9 @@ class StepLoop:
         # are starting count: the steps do not wait for fewer workers meanwhile).
         need = self.stragglers.need(len(workers) + self.recovery.joining) \
             if self.stragglers.enabled else None
-        key = (self.actors.membership, tuple(id(w) for w in workers), tuple(id(p) for p in ps),
-               need)
+        # By name, never by id(): a replaced PS's new handle can have the dead one's id.
+        key = (self.actors.membership, tuple(self.actors.name(w) for w in workers),
+               tuple(None if p is None else self.actors.name(p) for p in ps), need)
         if key == self._joined:
             return
         if need is not None:
@@ -253,7 +254,7 @@ class StepLoop:
         """timeline= on the driver-relayed exchange: have the PS actors record their
         sums (once per set of PS actors; the workers' exchange does it in `_join`)."""
         ps = self.actors.ps
-        key = tuple(id(p) for p in ps)
+        key = tuple(None if p is None else self.actors.name(p) for p in ps)
         if self.config.timeline is None or key == self._timeline_ps:
             return
         ps_client.enable_timeline(ps, True)

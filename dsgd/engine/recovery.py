@@ -10,7 +10,6 @@ it. Every method blocks, each wait at most `step_timeout_s` (replacements:
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable
 
@@ -20,7 +19,7 @@ from dsgd.comm.waits import actor_died_errors
 from dsgd.engine import failures, launch
 from dsgd.engine.backups import Stragglers
 from dsgd.engine.resources import placeable_workers
-from dsgd.engine.state import Progress
+from dsgd.engine.state import Progress, first_line
 from dsgd.errors import DsgdError, StepTimeoutError
 
 logger = logging.getLogger("dsgd")
@@ -52,22 +51,39 @@ class Recovery:
         self._workers_changed = workers_changed
         self._next_grow_check = 0.0
         self._joining: dict[int, dict] = {}  # slot -> a background replacement's progress
+        # Recoveries in a row with no step completed between them (`_back_off`).
+        self._streak, self._last_recovery_at = 0, None
+        # What `_say` has logged, and the repeats of it not printed since.
+        self._said: dict[str, int] = {}
+        self._repeats: dict[str, int] = {}
 
     def recover(self, error: BaseException, between_steps: bool = False,
                 call: str | None = None) -> bool:
-        """`_recover_once`, again as often as a failure interrupts it: a replacement
-        or the survivor being copied that dies (or hangs, with replace_hung)
-        while the recovery runs is recovered from the same way, each counted
-        against max_failures (a failure record per interrupted recovery). The
-        workers the interrupted pass started are killed first: what state they
-        hold is not known, so they are replaced like dead ones. Returns and
-        raises as `_recover_once`."""
+        """Carry out what failures.decide says after `error` (`_recover_once`).
+        Returns True if the interrupted step had been applied (do not retry it).
+
+        Every failure is charged to the one budget when it is found
+        (`Progress.charge`): past `max_failures` this raises DsgdError naming
+        the step, the actor and the cause. A failure while recovering (a
+        replacement, or the survivor being copied, that dies, or hangs with
+        replace_hung) is charged too and recovered from the same way; the
+        workers the interrupted pass started are killed first (what state they
+        hold is not known, so they are replaced like dead ones). A recovery
+        that follows another with no step completed between them first waits
+        (`RECOVERY_BACKOFF_S`, doubling with each, at most
+        `RECOVERY_BACKOFF_MAX_S`). An error after which every actor answers
+        (nothing died) is not one dsgd recovers from: it is raised as it is,
+        with a note saying so; DsgdError when the policy refuses."""
+        interrupted: str | None = None  # what a failure met while recovering interrupted
+        first, began = len(self.progress.failures), time.perf_counter()
         while True:
+            self._back_off()
             before = {s: self.actors.worker(s) for s in self.actors.slots}
-            start = time.perf_counter()
             try:
-                return self._recover_once(error, between_steps, call)
+                completed = self._recover_once(error, between_steps, call, interrupted)
             except (*actor_died_errors(), StepTimeoutError) as again:
+                if again is error:
+                    raise  # nothing died (or the hang is not ours to recover): as it came
                 if isinstance(again, StepTimeoutError) and not failures.recovers_hang(
                         self.config.replace_hung, again.late):
                     raise
@@ -77,17 +93,49 @@ class Recovery:
                     if before.get(slot) is not handle:
                         self.actors.kill(handle)  # started by the interrupted pass
                 step = self.progress.steps_done + (0 if between_steps or call else 1)
-                logger.warning("%s: %s while recovering from %s; recovering again",
-                               call or f"step {step}", first_line(again), type(error).__name__)
-                self.progress.failed({"step": step, "error": type(again).__name__,
-                                      "reason": f"{first_line(again)} (while recovering from "
-                                                f"{type(error).__name__})",
-                                      "recovery_s": time.perf_counter() - start,
-                                      **({"call": call} if call else {})})
-                error = again
+                self._say(f"{call or f'step {step}'}: {first_line(again)} while recovering "
+                          f"from {type(error).__name__}; recovering again")
+                # (charged by the next pass, once its probe has found what died)
+                interrupted, error = type(error).__name__, again
+                continue
+            # The failures whose recovery was interrupted are recovered from now too.
+            for index, record in enumerate(self.progress.failures[first:], start=first):
+                if record["recovery_s"] is None:
+                    self.progress.annotate_failure(
+                        index, recovery_s=time.perf_counter() - began)
+            return completed
+
+    def _back_off(self) -> None:
+        """Before a recovery: wait when it follows another with no step completed
+        since (a retried step that failed again, a fault while recovering), the
+        wait doubling with each in a row, so that a fault that repeats at once
+        cannot spin (each is charged to the budget as well)."""
+        done = self.progress.counted
+        self._streak = self._streak + 1 if self._last_recovery_at == done else 0
+        self._last_recovery_at = done
+        if self._streak:
+            wait = min(constants.RECOVERY_BACKOFF_MAX_S,
+                       constants.RECOVERY_BACKOFF_S * 2 ** (self._streak - 1))
+            logger.info("recovery %d in a row without a completed step: waiting %.1f s",
+                        self._streak + 1, wait)
+            time.sleep(wait)
+
+    def _say(self, message: str) -> None:
+        """Log `message` (a warning) the first time this instance meets it; a
+        repeat is counted, not printed again (the count is said with the next
+        different message)."""
+        count = self._said.get(message, 0)
+        self._said[message] = count + 1
+        if count:
+            self._repeats[message] = self._repeats.get(message, 0) + 1
+            return
+        for earlier, times in self._repeats.items():
+            logger.warning("(%s: repeated %d more time(s))", earlier[:120], times)
+        self._repeats.clear()
+        logger.warning("%s", message)
 
     def _recover_once(self, error: BaseException, between_steps: bool = False,
-                call: str | None = None) -> bool:
+                      call: str | None = None, interrupted: str | None = None) -> bool:
         """Carry out what failures.decide says after `error`. Returns True if the
         interrupted step had been applied (do not retry it). Raises if the policy
         says the error is not recoverable. between_steps: the failure was found
@@ -97,6 +145,9 @@ class Recovery:
         call: a driver call outside steps (e.g. "get_weights") that failed and
         will be run again on the new group (between steps; its state is taken
         from the first survivor, the call's retry makes the rest agree).
+        interrupted: `error` was met while recovering from an error of this
+        type (said in its failure record). `error` is charged to the budget
+        once the policy says it is recovered from.
 
         A StepTimeoutError naming actors (replace_hung) first kills them; with
         replace_hung, an actor that neither answers the probe nor dies within
@@ -104,9 +155,9 @@ class Recovery:
         self.actors.check_open("recovering")
         start = time.perf_counter()
         if isinstance(error, StepTimeoutError) and error.late:
-            logger.warning("%s: killing hung actor(s) %s to replace them (%s)",
-                           call or f"step {self.progress.steps_done + 1}",
-                           ", ".join(self.actors.name(h) for h in error.late), first_line(error))
+            self._say(f"{call or f'step {self.progress.steps_done + 1}'}: killing hung actor(s) "
+                      f"{', '.join(self.actors.name(h) for h in error.late)} to replace them "
+                      f"({first_line(error)})")
             for handle in error.late:
                 self.actors.kill(handle)
         between_steps = between_steps or call is not None
@@ -125,8 +176,7 @@ class Recovery:
             self.progress.last_checkpoint is None
             or snapshot["step"] >= (self.progress.last_checkpoint_step or 0))
         action = failures.decide(failures.Status(
-            workers, dead_ps, steps_done, len(self.progress.failures) + len(self._joining) + 1,
-            self.config.max_failures, self.config.elastic, placeable,
+            workers, dead_ps, steps_done, self.config.elastic, placeable,
             self.progress.last_checkpoint is not None or use_snapshot, between_steps, call,
             f"the automatic snapshot of step {snapshot['step']}" if use_snapshot
             else "the last checkpoint",
@@ -135,10 +185,17 @@ class Recovery:
         where = call or f"step {step}"
         if not action.recover:
             if not dead and not dead_ps:
+                error.add_note(f"dsgd: {where}: every worker and PS actor answered after this "
+                               "error (none died), so it is not one dsgd recovers from")
                 raise error
             raise DsgdError(f"{where}: {action.reason}") from error
-        logger.warning("%s: %s (%s: %s)", where, action.reason,
-                       type(error).__name__, first_line(error))
+        during = f" (while recovering from {interrupted})" if interrupted else ""
+        charged = self.progress.charge(
+            {"step": step, "error": type(error).__name__, "reason": action.reason + during,
+             **({"call": call} if call is not None else {})},
+            self.config.max_failures, f"{where}: {failures.describe(dead, dead_ps)}{during}",
+            error)
+        self._say(f"{where}: {action.reason} ({type(error).__name__}: {first_line(error)})")
         for j in action.replace_ps:
             self.actors.remove_ps(j)
         self._add_workers(action.replace_workers)
@@ -154,12 +211,9 @@ class Recovery:
                            self.actors.num_workers * self.config.devices_per_worker)
         self._changed(action.replace_workers)
         self.stragglers.reset()  # the probe ran after every queued call: nobody is late
-        record = {"step": step, "error": type(error).__name__, "reason": action.reason,
-                  "recovery_s": time.perf_counter() - start}
-        if call is not None:
-            record["call"] = call
-        self.progress.failed(record)
-        logger.warning("recovered in %.1f s", self.progress.failures[-1]["recovery_s"])
+        recovery_s = time.perf_counter() - start
+        self.progress.annotate_failure(charged, recovery_s=recovery_s)
+        logger.warning("recovered in %.1f s", recovery_s)
         return action.step_completed
 
     def _placeable(self, count: int) -> int:
@@ -194,16 +248,14 @@ class Recovery:
         start = time.perf_counter()
         reason = (f"PS actor(s) {', '.join(map(str, dead_ps))} died; the workers computed its "
                   "means: the step had been applied, not retried")
-        stop = failures.over_budget(len(self.progress.failures) + 1, self.config.max_failures,
-                           f"step {steps_done}: {reason}")
-        if stop is not None:
-            raise DsgdError(stop)
-        logger.warning("%s: %s", what, reason)
+        charged = self.progress.charge(
+            {"step": steps_done, "error": "ActorDiedError", "reason": reason},
+            self.config.max_failures, f"step {steps_done}: {failures.describe([], dead_ps)}")
+        self._say(f"{what}: {reason}")
         for j in dead_ps:
             self.actors.remove_ps(j)
         self._add_workers([])
-        self.progress.failed({"step": steps_done, "error": "ActorDiedError", "reason": reason,
-                              "recovery_s": time.perf_counter() - start})
+        self.progress.annotate_failure(charged, recovery_s=time.perf_counter() - start)
 
     def maybe_grow(self) -> None:
         """elastic=True, below the asked-for worker count: start workers for the
@@ -241,29 +293,29 @@ class Recovery:
         for handle, slot in dead:
             if slot not in self.actors.slots or self.actors.worker(slot) is not handle:
                 continue  # already replaced (by a recovery)
-            stop = failures.over_budget(len(self.progress.failures) + len(self._joining) + 1,
-                               self.config.max_failures,
-                               f"step {self.progress.steps_done + 1}: worker {slot} died")
-            if stop is not None:
-                raise DsgdError(stop)
+            step = self.progress.steps_done + 1
+            # Charged now; its recovery_s is known when the replacement joins (`_admit`).
+            charged = self.progress.charge(
+                {"step": step, "error": "ActorDiedError",
+                 "reason": f"worker {slot} died; replaced in the background (backup workers: "
+                           "no step waited for it)"},
+                self.config.max_failures, f"step {step}: worker {slot} died")
             self.actors.remove_worker(slot)
             # New data loaders for the survivors (a Ray Data split must not wait on it).
             self.actors.next_generation(workers_added=True)
             if self.config.elastic and not placeable_workers(self.actors.worker_options, 1):
                 # No room now: go on without it; maybe_grow adds it back when there is.
-                self.progress.failed({"step": self.progress.steps_done + 1,
-                                      "error": "ActorDiedError",
-                                      "reason": f"worker {slot} died; no room to replace it: "
-                                                "elastic, continuing without it",
-                                      "recovery_s": 0.0})
-                logger.warning("step %d: worker %d died and cannot be replaced now; elastic: "
-                               "continuing with %d worker(s)", self.progress.steps_done + 1, slot,
-                               self.actors.num_workers)
+                self.progress.annotate_failure(
+                    charged, recovery_s=0.0,
+                    reason=f"worker {slot} died; no room to replace it: elastic, continuing "
+                           "without it")
+                self._say(f"step {step}: worker {slot} died and cannot be replaced now; "
+                          f"elastic: continuing with {self.actors.num_workers} worker(s)")
                 continue
-            self._spawn(slot, time.perf_counter(), self.progress.steps_done + 1)
-            logger.warning("step %d: worker %d died; steps go on with %d worker(s) while a "
-                           "replacement starts in the background", self.progress.steps_done + 1,
-                           slot, self.actors.num_workers)
+            self._spawn(slot, time.perf_counter(), step, charged)
+            self._say(f"step {step}: worker {slot} died; steps go on with "
+                      f"{self.actors.num_workers} worker(s) while a replacement starts in the "
+                      "background")
 
     def admit_joiners(self) -> None:
         """Let in every background replacement that is ready: it takes a free
@@ -271,30 +323,29 @@ class Recovery:
         the state after the steps submitted until now) and is late until the
         state is in. Does not wait; a replacement that has not started within
         `start_timeout_s` raises DsgdError. One that dies while starting is
-        started again (counted as a failure)."""
+        started again (charged as a failure of its own)."""
         for slot, joiner in list(self._joining.items()):
             try:
                 self._admit(slot, joiner)
             except actor_died_errors() as e:  # the replacement died: start another
-                logger.warning("worker %d's replacement died while starting (%s); starting "
-                               "another", slot, first_line(e))
                 self.actors.drop_joining(slot)
                 del self._joining[slot]
-                failure = len(self.progress.failures) + len(self._joining) + 1
-                self.progress.failed({"step": joiner["step"], "error": type(e).__name__,
-                                      "reason": f"worker {slot}'s replacement died starting",
-                                      "recovery_s": time.perf_counter() - joiner["start"]})
-                stop = failures.over_budget(failure + 1, self.config.max_failures,
-                                   f"worker {slot}'s replacement died while starting")
-                if stop is not None:
-                    raise DsgdError(stop) from e
-                self._spawn(slot, joiner["start"], joiner["step"])
+                what = f"worker {slot}'s replacement died while starting"
+                self.progress.charge(
+                    {"step": joiner["step"], "error": type(e).__name__, "reason": what,
+                     "recovery_s": time.perf_counter() - joiner["start"]},
+                    self.config.max_failures, f"step {joiner['step']}: {what}", e)
+                self._say(f"{what} ({first_line(e)}); starting another")
+                self._spawn(slot, joiner["start"], joiner["step"], joiner["record"])
 
-    def _spawn(self, slot: int, start: float, step: int) -> None:
+    def _spawn(self, slot: int, start: float, step: int, record: int) -> None:
+        """Start a replacement for `slot` in the background (`record`: the index of
+        the failure record its joining completes)."""
         self.actors.next_generation(workers_added=False)
         handle = self.actors.spawn_worker(slot)
         self._joining[slot] = {"handle": handle, "setup": handle.setup.remote(),
-                               "configure": None, "info": None, "start": start, "step": step}
+                               "configure": None, "info": None, "start": start, "step": step,
+                               "record": record}
 
     def _admit(self, slot: int, joiner: dict) -> None:
         import ray
@@ -320,10 +371,7 @@ class Recovery:
         self.actors.admit_worker(slot, joiner["info"])
         self.stragglers.late(handle, slot, state_set)
         recovery_s = time.perf_counter() - joiner["start"]
-        self.progress.failed({"step": joiner["step"], "error": "ActorDiedError",
-                              "reason": f"worker {slot} died; replaced in the background "
-                                        "(backup workers: no step waited for it)",
-                              "recovery_s": recovery_s})
+        self.progress.annotate_failure(joiner["record"], recovery_s=recovery_s)
         logger.warning("worker %d's replacement joined after %.1f s (%d steps ran without "
                        "it)", slot, recovery_s, self.progress.steps_done + 1 - joiner["step"])
         self._changed([slot])
@@ -360,9 +408,3 @@ class Recovery:
         if slots:
             for hook in self._workers_changed:
                 hook()
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message, without the terminal colours Ray adds."""
-    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip().splitlines()
-    return lines[0][:200] if lines else ""

@@ -277,7 +277,10 @@ class DistributedSGD:
 
     @property
     def failures(self) -> list[dict]:
-        """One record per recovered failure: step, error, reason, recovery_s."""
+        """One record per failure, in the order found: step, error, reason,
+        recovery_s (seconds; None while it is being recovered from, e.g. a
+        backup worker's replacement still starting in the background). Every
+        record counts against `max_failures`."""
         return self._progress.failures
 
     @property

@@ -61,6 +61,7 @@ class Progress:
     def __init__(self):
         self._steps_done = 0
         self._skipped_steps = 0
+        self._counted = 0  # steps counted over the object's life (never goes back)
         self._failures: list[dict] = []
         self._last_checkpoint: str | None = None
         self._last_checkpoint_step: int | None = None
@@ -87,8 +88,15 @@ class Progress:
     def last_checkpoint(self) -> str | None:
         return self._last_checkpoint
 
+    @property
+    def counted(self) -> int:
+        """Steps applied or skipped over the object's life: unlike `steps_done`, a
+        restored checkpoint does not move it back."""
+        return self._counted
+
     def count(self, skipped: bool) -> None:
         """One more step applied, or skipped."""
+        self._counted += 1
         if skipped:
             self._skipped_steps += 1
         else:
@@ -108,10 +116,39 @@ class Progress:
     def saved(self, path: str, steps_done: int | None = None) -> None:
         self._last_checkpoint, self._last_checkpoint_step = path, steps_done
 
-    def annotate_failure(self, **fields) -> None:
-        """Add `fields` to the last failure's record (e.g. steps lost or replayed)."""
-        self._failures[-1].update(fields)
+    def annotate_failure(self, index: int = -1, **fields) -> None:
+        """Add `fields` to failure `index`'s record (default the last: e.g. steps
+        lost or replayed, the recovery's time once it is done)."""
+        self._failures[index].update(fields)
 
-    def failed(self, record: dict) -> None:
-        """A failure was recovered (record: step, error, reason, recovery_s)."""
-        self._failures.append(dict(record))
+    def charge(self, record: dict, max_failures: int, what: str,
+               cause: BaseException | None = None) -> int:
+        """The one failure budget: every failure the driver survives (a recovery,
+        one met while recovering, a PS the workers stood in for, a backup
+        worker's replacement and its failed start) is charged here, once, when
+        it is found. Records `record` (step, error, reason; `recovery_s` is
+        added once the recovery is done: `annotate_failure`) and returns its
+        index; raises DsgdError instead when it is failure number
+        max_failures + 1, naming `what` (the step and the actor) and `cause`."""
+        from dsgd.engine.failures import over_budget
+        from dsgd.errors import DsgdError
+
+        stop = over_budget(len(self._failures) + 1, max_failures, what)
+        if stop is not None:
+            if cause is not None:
+                stop += f" (cause: {type(cause).__name__}: {first_line(cause)})"
+            raise DsgdError(stop) from cause
+        self._failures.append({**record, "recovery_s": record.get("recovery_s")})
+        return len(self._failures) - 1
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (its first note when the message is
+    Ray's generic one), without the terminal colours Ray adds, at most 200 characters."""
+    import re
+
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", str(error)).strip().splitlines()
+    notes = getattr(error, "__notes__", None)
+    if notes and (not lines or lines[0].startswith("The actor died unexpectedly")):
+        lines = [notes[0]] + lines
+    return lines[0][:200] if lines else type(error).__name__

@@ -101,7 +101,8 @@ def main(argv=None) -> dict:
                                                args.kill_ps_at - 1: "ps"})
     max_diff = max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected))
     result = {"steps": args.steps, "failures": len(failures),
-              "recovery_s": [round(f["recovery_s"], 2) for f in failures],
+              "recovery_s": [round(f["recovery_s"], 2) for f in failures
+                             if f["recovery_s"] is not None],
               "max_weight_difference": max_diff, "final_loss": losses[-1],
               "uninterrupted_final_loss": expected_losses[-1],
               "wall_s": round(time.perf_counter() - start, 1)}
