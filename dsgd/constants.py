@@ -89,6 +89,10 @@ GROW_CHECK_INTERVAL_S = 10.0
 # released by Ray (a killed SIGSTOPped process is reaped asynchronously) before
 # a replacement is judged not to fit.
 RESOURCE_RELEASE_S = 8.0
+# A new DistributedSGD whose workers do not fit in what the cluster has free waits this
+# long (seconds) for room before a ResourceError names who holds it (engine/resources.py
+# `wait_for_room`), instead of its workers waiting for CPUs until start_timeout_s.
+START_ROOM_WAIT_S = 15.0
 
 WORKER_NAME_PREFIX = "dsgd-worker-"
 PS_NAME_PREFIX = "dsgd-ps-"

@@ -16,12 +16,13 @@ Every function blocks until its actors have answered, each wait at most
 
 from __future__ import annotations
 
+from dsgd import constants
 from dsgd.comm import store
 from dsgd.comm.param_server import default_num_ps, ps_nodes
 from dsgd.comm.sharding import ExchangeLayout, exchange_layout, plan_shards, whole_plan
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
-from dsgd.engine.resources import check_resources, check_store
+from dsgd.engine.resources import check_resources, check_store, wait_for_room
 from dsgd.engine.state import Topology
 from dsgd.errors import ModelMismatchError
 
@@ -98,6 +99,7 @@ def start(config: Config, actors: ActorSet) -> Topology:
     """Start every worker, fix the topology from their model, start the PS
     actors and broadcast worker 0 / replica 0's state. Blocks."""
     slots = list(range(config.num_workers))
+    wait_for_room(actors.worker_options, len(slots), actors.suffix, constants.START_ROOM_WAIT_S)
     infos = _set_up(config, actors, slots)
     check_signatures(infos, [f"worker {s}" for s in slots])
     plan = (plan_shards(infos[0]["shapes"], infos[0]["dtypes"], config.grad_shard_bytes,
@@ -135,7 +137,7 @@ def start_workers(config: Config, actors: ActorSet, topology: Topology, slots: l
 
 def ensure_ps(config: Config, actors: ActorSet, topology: Topology) -> None:
     """Start every PS actor of the topology that is missing (never started, or
-    dead), PS j beside worker j."""
+    dead), PS j on the j-th distinct worker node round-robin (`ps_nodes`)."""
     ps = actors.ps + [None] * (topology.num_ps - len(actors.ps))
     missing = [j for j, p in enumerate(ps) if p is None]
     if not missing:

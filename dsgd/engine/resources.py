@@ -5,6 +5,8 @@ Both read the cluster's resources through Ray and block for one GCS call."""
 from __future__ import annotations
 
 import logging
+import re
+import time
 
 from dsgd.errors import ResourceError
 
@@ -120,3 +122,54 @@ def placeable_workers(options: dict, want: int) -> int:
         by_gpu = int(available.get("GPU", 0) // gpu) if gpu else want
         fit += min(by_cpu, by_gpu)
     return min(fit, want)
+
+
+def wait_for_room(options: dict, count: int, own_suffix: str, wait_s: float) -> None:
+    """Before starting `count` workers with Ray `options`: ResourceError unless the
+    cluster has them free now, or within `wait_s` seconds (the resources of
+    actors just killed take a moment to be released). The error names what was
+    asked, what each node has free, and the dsgd actors of other instances
+    alive in the cluster (an instance dropped without `shutdown()` in another
+    session, or still in use), rather than the workers waiting for CPUs until
+    `start_timeout_s`. Workers placed in a placement group (a Ray Tune trial's)
+    are not checked: the group holds their room. Blocks, polling every 0.2 s."""
+    from dsgd.ray_private import available_resources_per_node
+
+    if not isinstance(options.get("scheduling_strategy"), str):
+        return
+    deadline = time.monotonic() + wait_s
+    while placeable_workers(options, count) < count:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    else:
+        return
+    cpu, gpu = options.get("num_cpus", 1), options.get("num_gpus", 0)
+    free = [f"{a.get('CPU', 0):g} CPU/{a.get('GPU', 0):g} GPU"
+            for a in available_resources_per_node().values()]
+    others = _other_instances(own_suffix)
+    held = ("; alive in the cluster: " + "; ".join(
+        f"instance {suffix} ({', '.join(sorted(names))})" for suffix, names in sorted(others.items()))
+        + ": call its shutdown() (or use `with`), or drop every reference to it"
+        if others else "; no other dsgd instance is alive: other Ray work holds them")
+    raise ResourceError(
+        f"cannot place {count} worker(s) x ({cpu:g} CPU, {gpu:g} GPU) now: the cluster has "
+        f"{', '.join(free) or 'nothing'} free (per node) after waiting {wait_s:.0f} s{held}")
+
+
+def _other_instances(own_suffix: str) -> dict[str, list[str]]:
+    """{instance id: its dsgd actors' names} of the live dsgd actors in the cluster
+    that are not this instance's (Ray's named-actor list, every namespace)."""
+    import ray
+
+    from dsgd import constants
+
+    found: dict[str, list[str]] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"] if isinstance(entry, dict) else entry
+        # <prefix><index>-<instance id>, and -r<generation> for a replacement
+        match = re.fullmatch(rf"(?:{constants.WORKER_NAME_PREFIX}|{constants.PS_NAME_PREFIX})"
+                             r"\d+-(\w+?)(?:-r\d+)?", name)
+        if match and match.group(1) != own_suffix:
+            found.setdefault(match.group(1), []).append(name)
+    return found

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -198,7 +199,8 @@ class DistributedSGD:
     """
 
     __slots__ = ("config", "on_workers_changed", "_actors", "_topology", "_progress",
-                 "_feeds", "_recovery", "_loop", "_timeline_events")
+                 "_feeds", "_recovery", "_loop", "_timeline_events", "_finalizer",
+                 "__weakref__")
 
     def __init__(self, model_creator: Callable[[int, int], Model], num_workers: int,
                  devices_per_worker: int, gpu: bool | None = None, strategy: str = "ps",
@@ -235,9 +237,14 @@ class DistributedSGD:
         # One builder turns the config into the started actors and topology, and
         # starts replacements the same way (dsgd/engine/launch.py).
         launcher = launch.Launcher(config, uuid.uuid4().hex[:6])
+        # Nothing outlives the instance: dropped or garbage-collected without
+        # shutdown() (a notebook after its first error), its actors are killed. The
+        # workers hold each other's handles once joined, so Ray's reference counting
+        # alone never frees them. (The finalizer holds the actor set, not this object.)
+        self._finalizer = weakref.finalize(self, launcher.actors.shutdown)
         self._progress = Progress()
         self._feeds = Feeds(constants.DATA_FEEDS_KEPT)
-        self._actors, self._topology = launcher.start()
+        self._actors, self._topology = launcher.start()  # (shuts its actors down on error)
         self._recovery = Recovery(config, launcher, self._progress,
                                   self.restore_checkpoint, self.on_workers_changed,
                                   Stragglers(config.backup_workers, config.step_timeout_s,
@@ -720,7 +727,9 @@ class DistributedSGD:
 
     def shutdown(self) -> None:
         """Kill every actor. Idempotent; does not wait for the processes to exit.
-        With `timeline=`, first writes the trace (`write_timeline`).
+        With `timeline=`, first writes the trace (`write_timeline`). An instance
+        dropped without it is shut down when Python collects it (its actors are
+        killed; no trace is written then).
 
         Safe from another thread while a step or a recovery runs (that call
         then raises `DsgdError` and no actor is started after). Every later
@@ -731,7 +740,7 @@ class DistributedSGD:
                 self.write_timeline()
             except Exception as e:  # noqa: BLE001 - shutting down matters more
                 logger.warning("timeline not written: %s: %s", type(e).__name__, e)
-        self._actors.shutdown()
+        self._finalizer()  # ActorSet.shutdown, once
 
     def __enter__(self) -> DistributedSGD:
         return self
