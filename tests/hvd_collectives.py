@@ -43,7 +43,12 @@ def collectives():
             "bf16": hvd.allreduce(x / 7.0, compression=hvd.Compression.bf16),
             "grouped": hvd.grouped_allreduce([x, x * 2.0])[1],
             "sparse": hvd.allreduce(sparse_grad()),
-            "gather": hvd.allgather(rows), "bcast": hvd.broadcast(x, root_rank=1)}
+            "gather": hvd.allgather(rows), "bcast": hvd.broadcast(x, root_rank=1),
+            "min": hvd.allreduce(x, op=hvd.Min), "max": hvd.allreduce(x, op=hvd.Max),
+            "product": hvd.allreduce(ints, op=hvd.Product),
+            "max_scaled": hvd.allreduce(x, op=hvd.Max, prescale_factor=2.0, postscale_factor=0.5),
+            "grouped_gather": hvd.grouped_allgather([rows, ints])[0],
+            "grouped_gather_ints": hvd.grouped_allgather([rows, ints])[1]}
 
 
 for k, v in collectives().items():
@@ -52,6 +57,7 @@ for k, v in tf.function(collectives)().items():
     saved[f"graph_{k}"] = v.numpy()
 saved["object"] = np.array(hvd.broadcast_object({"from": r}, root_rank=1)["from"])
 saved["objects"] = np.array([o["r"] for o in hvd.allgather_object({"r": r})])
+saved["object_fn"] = np.array(hvd.broadcast_object_fn(root_rank=1)({"from": r})["from"])
 
 # The tape eagerly, plain and fp16-compressed, at rank 0's weights on each rank's batch.
 model = tiny.make_keras_model(seed=r)

@@ -67,6 +67,11 @@ def test_collectives_by_hand(ranks, where):
         "grouped": (2 * x0 + 2 * x1) * np.float32(0.5),
         "sparse": np.array([[0, 0], [1.5, 1.5], [0, 0], [1.5, 1.5]], np.float32),
         "gather": np.array([[0, 0], [1, 1], [1, 1]], np.float32), "bcast": x1,
+        "min": np.minimum(x0, x1), "max": np.maximum(x0, x1),
+        "product": np.array([1 * 2, 2 * 4, 3 * 6], np.int32),
+        "max_scaled": np.maximum(2 * x0, 2 * x1) * np.float32(0.5),
+        "grouped_gather": np.array([[0, 0], [1, 1], [1, 1]], np.float32),
+        "grouped_gather_ints": np.array([1, 2, 3, 2, 4, 6], np.int32),
     }
     for wire, name in ((np.float16, "fp16"), (ml_dtypes.bfloat16, "bf16")):
         # each rank's value rounded to the wire type, summed in float32, the mean rounded once
@@ -78,6 +83,7 @@ def test_collectives_by_hand(ranks, where):
             assert array.dtype == value.dtype, name
             np.testing.assert_allclose(array, value, rtol=0, atol=1e-6, err_msg=name)
         assert got["object"] == 1 and got["objects"].tolist() == [0, 1]
+        assert got["object_fn"] == 1
 
 
 def test_custom_loop_with_the_first_batch_broadcast_is_exact(ranks):
@@ -222,7 +228,7 @@ def test_bad_arguments_are_named():
 
     with pytest.raises(ValueError, match="op=Adasum is not supported"):
         hvd.collectives._op_of(hvd.Adasum, None)
-    with pytest.raises(ValueError, match="op must be dsgd.train.Average or dsgd.train.Sum"):
+    with pytest.raises(ValueError, match="op must be dsgd.train.Average, Sum, Min, Max or Product"):
         hvd.DistributedGradientTape(None, op=7)
     with pytest.raises(ValueError, match="pass op= or the older average=, not both"):
         hvd.collectives._op_of(hvd.Sum, True)
@@ -273,6 +279,71 @@ def test_bad_arguments_are_named():
         hvd.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)
     with pytest.raises(ValueError, match="initial_lr must be a positive number"):
         hvd.callbacks.LearningRateWarmupCallback(0)
+
+
+# Every public name of horovod.tensorflow and horovod.tensorflow.keras 0.28.1 (read from its
+# build against TF 2.21), but its internal modules and helpers: each is provided, or says
+# "does not provide" with what to use instead (docs/raytrain.md lists the latter).
+HOROVOD_NAMES = (
+    "Adasum", "Average", "BroadcastGlobalVariablesHook", "Compression", "DistributedGradientTape",
+    "DistributedOptimizer", "LocalGradientAggregationHelper", "Max", "Min",
+    "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum", "SyncBatchNormalization",
+    "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "barrier",
+    "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object",
+    "broadcast_object_fn", "broadcast_variables", "callbacks", "ccl_built", "cross_rank",
+    "cross_size", "cuda_built", "ddl_built", "elastic", "gloo_built", "gloo_enabled",
+    "global_process_set", "gpu_available", "grouped_allgather", "grouped_allreduce",
+    "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "load_model",
+    "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "process_set_included_op", "rank", "rank_op",
+    "reducescatter", "remove_process_set", "rocm_built", "shutdown", "size", "size_op",
+    "start_timeline", "stop_timeline")
+HOROVOD_CALLBACKS = ("BestModelCheckpoint", "BroadcastGlobalVariablesCallback",
+                     "LearningRateScheduleCallback", "LearningRateWarmupCallback",
+                     "MetricAverageCallback")
+
+
+def test_every_horovod_name_is_provided_or_says_what_to_use():
+    import re
+
+    not_provided = []
+    for name in HOROVOD_NAMES:
+        try:
+            getattr(hvd, name)
+        except AttributeError as e:
+            assert re.match(rf"dsgd.train does not provide Horovod's {name}\b", str(e)), str(e)
+            not_provided.append(name)
+    for name in HOROVOD_CALLBACKS:
+        assert isinstance(getattr(hvd.callbacks, name), type), name
+    # The cheap ones are provided (without MPI, Gloo or NCCL: the "without" answers).
+    assert (hvd.Min, hvd.Max, hvd.Product) == (3, 4, 5)  # Horovod's values
+    assert not any(f() for f in (hvd.mpi_built, hvd.mpi_enabled, hvd.gloo_built,
+                                 hvd.gloo_enabled, hvd.nccl_built, hvd.cuda_built))
+    with pytest.raises(ValueError, match="does not use MPI"):
+        hvd.mpi_threads_supported()
+    # The rest name what to use, and docs/raytrain.md lists every one of them.
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "raytrain.md")) as f:
+        page = f.read()
+    missing = [n for n in not_provided if not re.search(rf"`(hvd\.)?{re.escape(n)}[`(.]", page)]
+    assert not missing, f"docs/raytrain.md does not list {missing}"
+    assert "broadcast_variables" in str(pytest.raises(AttributeError, getattr, hvd,
+                                                      "broadcast_").value)
+
+
+def test_best_model_checkpoint_keeps_the_best_and_needs_a_path(tmp_path):
+    import keras
+
+    model = tiny.make_keras_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = tiny.make_batch(0, 0, 8)
+    with pytest.raises(ValueError, match="no filepath"):
+        model.fit(x, y, epochs=1, verbose=0, validation_data=(x, y),
+                  callbacks=[hvd.callbacks.BestModelCheckpoint()])
+    path = str(tmp_path / "best.keras")
+    callback = hvd.callbacks.BestModelCheckpoint(filepath=path, monitor="val_loss")
+    assert callback.save_best_only
+    model.fit(x, y, epochs=2, verbose=0, validation_data=(x, y), callbacks=[callback])
+    assert os.path.exists(path)
 
 
 def test_horovod_names_not_provided_say_so():

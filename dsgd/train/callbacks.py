@@ -178,3 +178,39 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         if epoch == self.warmup_epochs - 1 and self.verbose > 0:
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                   f"{self.initial_lr:g}.")
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Horovod's: Keras' `ModelCheckpoint` with `save_best_only=True`. Horovod's
+    Spark estimator set its file path after construction; dsgd has no such
+    estimator, so pass `filepath` (or set `.filepath` before `fit`). As with
+    Horovod, every rank that has it saves: add it on rank 0 only (`rank() ==
+    0`), after `MetricAverageCallback` so that the best is judged on the mean
+    over ranks.
+
+    Args:
+        monitor, verbose, save_weights_only, mode, save_freq: Keras'
+            `ModelCheckpoint`'s (Horovod's order and defaults).
+        filepath: where to save (`.keras`, or `.weights.h5` with
+            save_weights_only).
+
+    Raises:
+        ValueError: at `fit`'s start if no file path was given.
+    """
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0,
+                 save_weights_only: bool = False, mode: str = "auto", save_freq="epoch",
+                 filepath: str | None = None):
+        # (Keras checks the path's extension at construction: a placeholder until it is set)
+        placeholder = "unset.weights.h5" if save_weights_only else "unset.keras"
+        super().__init__(filepath or placeholder, monitor=monitor, verbose=verbose,
+                         save_best_only=True, save_weights_only=save_weights_only, mode=mode,
+                         save_freq=save_freq)
+        if filepath is None:
+            self.filepath = None
+
+    def on_train_begin(self, logs=None):
+        if self.filepath is None:
+            raise ValueError("BestModelCheckpoint: no filepath: pass filepath=... (Horovod's "
+                             "Spark estimator set it; dsgd has none) or set .filepath before fit")
+        super().on_train_begin(logs)

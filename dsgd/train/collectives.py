@@ -23,6 +23,16 @@ Sum = 1
 Adasum = 2
 """Horovod's Adasum op: not supported. Named so that a port fails with a clear
 ValueError at the call, not a NameError."""
+Min = 3
+"""Reduction op (`op=`): the element-wise minimum over ranks. Horovod's value."""
+Max = 4
+"""Reduction op (`op=`): the element-wise maximum over ranks. Horovod's value."""
+Product = 5
+"""Reduction op (`op=`): the element-wise product over ranks (in rank order). Horovod's value."""
+# Min, Max and Product are not sums: their tensors are gathered (every rank's, through PS 0)
+# and reduced on each rank, so their bytes per rank grow with the ranks. Meant for metrics
+# and flags, not gradients.
+_GATHERED_OPS = {Min: np.minimum, Max: np.maximum, Product: np.multiply}
 
 
 class _Compressor:
@@ -191,8 +201,8 @@ def _op_of(op, average) -> int:
         return Average
     if op == Adasum:
         raise ValueError("op=Adasum is not supported by dsgd; use op=Average or op=Sum")
-    if op not in (Average, Sum):
-        raise ValueError(f"op must be dsgd.train.Average or dsgd.train.Sum, got {op!r}")
+    if op not in (Average, Sum, Min, Max, Product):
+        raise ValueError(f"op must be dsgd.train.Average, Sum, Min, Max or Product, got {op!r}")
     return op
 
 
@@ -242,7 +252,10 @@ def grouped_allreduce(tensors, average=None, compression=Compression.none, op=No
         average (bool | None): Horovod's older form of `op` (True: Average).
         compression (type): `Compression.none`, `.fp16` or `.bf16`: the wire
             type of floating tensors.
-        op (int | None): `Average` (the default) or `Sum`.
+        op (int | None): `Average` (the default), `Sum`, or `Min`, `Max`,
+            `Product` (gathered from every rank and reduced on each: exact,
+            in the tensor's dtype; their bytes per rank grow with the ranks,
+            for metrics and flags rather than gradients).
         prescale_factor: multiplies each tensor before the exchange.
         postscale_factor: multiplies each result after it.
         name: the op's name inside a `tf.function`.
@@ -276,6 +289,8 @@ def grouped_allreduce(tensors, average=None, compression=Compression.none, op=No
         tensors = [t * tf.cast(prescale_factor, t.dtype) for t in tensors]
     if not tensors:
         return []
+    if op in _GATHERED_OPS:
+        return _gathered_reduce(tensors, op, postscale_factor, name)
     floats = [k for k, t in enumerate(tensors) if t.dtype.is_floating]
     ints = [k for k, t in enumerate(tensors) if not t.dtype.is_floating]
     sent = [tensors[k] for k in floats] + [tf.cast(tensors[k], tf.float64) for k in ints]
@@ -303,6 +318,36 @@ def grouped_allreduce(tensors, average=None, compression=Compression.none, op=No
     return out
 
 
+def _gathered_reduce(tensors: list, op: int, postscale_factor: float, name: str | None) -> list:
+    """`grouped_allreduce` with Min, Max or Product: every rank's tensors in one
+    gather through PS 0, reduced here element-wise in rank order (exact, in
+    each tensor's own dtype; compression does not apply)."""
+    import tensorflow as tf
+
+    reduce = _GATHERED_OPS[op]
+
+    def gathered(*arrays):
+        every = exchange.gather([np.asarray(a) for a in arrays])
+        out = []
+        for k, mine in enumerate(arrays):
+            parts = [rank_arrays[k] for rank_arrays in every]
+            if any(p.shape != np.shape(mine) or p.dtype != np.asarray(mine).dtype for p in parts):
+                raise ValueError(f"allreduce: tensor {k}'s shape or dtype differs between ranks: "
+                                 + ", ".join(f"rank {r}: {p.shape} {p.dtype}"
+                                             for r, p in enumerate(parts)))
+            result = parts[0]
+            for part in parts[1:]:
+                result = reduce(result, part)
+            out.append(np.asarray(result, dtype=np.asarray(mine).dtype))
+        return out
+
+    results = _run(gathered, tensors, [t.dtype for t in tensors], [t.shape for t in tensors],
+                   name or "dsgd_allreduce")
+    if postscale_factor != 1.0:
+        results = [r * tf.cast(postscale_factor, r.dtype) for r in results]
+    return results
+
+
 def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str = "",
               compression=Compression.none, op=None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, name: str | None = None, **hints):
@@ -316,7 +361,8 @@ def allreduce(tensor, average=None, device_dense: str = "", device_sparse: str =
         device_dense: ignored (Horovod's device hint).
         device_sparse: ignored (Horovod's device hint).
         compression (type): `Compression.none`, `.fp16` or `.bf16`.
-        op (int | None): `Average` (the default) or `Sum`.
+        op (int | None): `Average` (the default), `Sum`, `Min`, `Max` or
+            `Product` (see `grouped_allreduce`).
         prescale_factor: multiplies the tensor before the exchange.
         postscale_factor: multiplies the result after it.
         name: the op's name inside a `tf.function`.
@@ -373,6 +419,41 @@ def allgather(tensor, name: str | None = None, **hints):
 
     shape = tf.TensorShape([None]).concatenate(tensor.shape[1:])
     return _run(gather, [tensor], [tensor.dtype], [shape], name or "dsgd_allgather")[0]
+
+
+def grouped_allgather(tensors, name: str | None = None, **hints) -> list:
+    """Horovod's `hvd.grouped_allgather`: `allgather` of each tensor, in one
+    exchange (same arguments, blocking and errors as `allgather`).
+
+    Returns:
+        One new tensor per input, in order.
+    """
+    import tensorflow as tf
+
+    check_hints(hints, "grouped_allgather", "tensors, name")
+    tensors = [_dense(t) for t in tensors]
+    if not tensors:
+        return []
+    for t in tensors:
+        if t.shape.rank == 0:
+            raise ValueError("grouped_allgather: every tensor must have at least one dimension "
+                             "(each is concatenated on the first); reshape a scalar to [1]")
+
+    def gather(*arrays):
+        every = exchange.gather([np.asarray(a) for a in arrays])
+        out = []
+        for k in range(len(arrays)):
+            parts = [rank_arrays[k] for rank_arrays in every]
+            if len({(p.shape[1:], p.dtype.str) for p in parts}) != 1:
+                raise ValueError(f"grouped_allgather: tensor {k}'s dimensions after the first or "
+                                 "dtypes differ: " + ", ".join(
+                                     f"rank {r}: {p.shape} {p.dtype}" for r, p in enumerate(parts)))
+            out.append(np.concatenate(parts, axis=0))
+        return out
+
+    shapes = [tf.TensorShape([None]).concatenate(t.shape[1:]) for t in tensors]
+    return _run(gather, tensors, [t.dtype for t in tensors], shapes,
+                name or "dsgd_grouped_allgather")
 
 
 def broadcast(tensor, root_rank: int, name: str | None = None, **hints):
@@ -481,6 +562,13 @@ def broadcast_object(obj, root_rank: int = 0, name: str | None = None, **hints):
     return exchange.broadcast(obj, root_rank)
 
 
+def broadcast_object_fn(root_rank: int = 0, session=None, name: str | None = None, **hints):
+    """Horovod's `hvd.broadcast_object_fn`: a function `fn(obj)` that is
+    `broadcast_object(obj, root_rank)` (`session` is TF1's, ignored)."""
+    check_hints(hints, "broadcast_object_fn", "root_rank, session, name")
+    return lambda obj: broadcast_object(obj, root_rank)
+
+
 def allgather_object(obj, name: str | None = None, **hints) -> list:
     """Horovod's `hvd.allgather_object`: every rank's picklable `obj`, in rank
     order (eagerly; not inside `tf.function`). Blocks until every rank has made
@@ -499,3 +587,58 @@ def allgather_object(obj, name: str | None = None, **hints) -> list:
     """
     check_hints(hints, "allgather_object", "obj, name")
     return exchange.gather(obj)
+
+
+# -- what the build has (Horovod's introspection) --------------------------------
+# dsgd exchanges through Ray's object store and its PS actors: none of Horovod's
+# transports or libraries is built or enabled, so a port's checks take their "without" path.
+def mpi_built() -> bool:
+    """Horovod's: False (dsgd uses no MPI)."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    """Horovod's: False (dsgd uses no MPI)."""
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """Horovod's: raises ValueError, as Horovod does without MPI."""
+    raise ValueError("dsgd does not use MPI (mpi_enabled() is False); its collectives go "
+                     "through Ray's object store and dsgd's PS actors")
+
+
+def gloo_built() -> bool:
+    """Horovod's: False (dsgd uses no Gloo)."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """Horovod's: False (dsgd uses no Gloo)."""
+    return False
+
+
+def nccl_built() -> int:
+    """Horovod's: the NCCL version Horovod was built with, 0 for none: 0 (dsgd.train
+    exchanges through Ray's object store)."""
+    return 0
+
+
+def ddl_built() -> bool:
+    """Horovod's: False."""
+    return False
+
+
+def ccl_built() -> bool:
+    """Horovod's: False."""
+    return False
+
+
+def cuda_built() -> bool:
+    """Horovod's: False (no CUDA code in the exchange; TensorFlow's GPUs work as usual)."""
+    return False
+
+
+def rocm_built() -> bool:
+    """Horovod's: False."""
+    return False
