@@ -223,6 +223,26 @@ def test_bad_arguments_fail_before_any_worker():
         dsgd.Trainer(Classifier, use_fp16="int8")
 
 
+def test_a_trials_gpus_follow_the_engines_rule(monkeypatch):
+    """use_gpu=None asks Tune for GPUs only when the cluster's could hold every
+    worker (each worker's devices_per_worker GPUs on one node), as gpu=None does
+    for the engine; a cluster with some GPUs but too few gets a CPU-only trial
+    (3e8670b asked for GPUs whenever the cluster had any: such a trial is never
+    placed)."""
+    import ray
+
+    from dsgd.engine.resources import workers_on_gpus
+
+    assert workers_on_gpus([1, 1], 2) == 0 and workers_on_gpus([4, 1], 2) == 2
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    for gpus_per_node, want in (([1], False), ([1, 1], True), ([0], False)):
+        monkeypatch.setattr(ray, "nodes", lambda g=gpus_per_node: [
+            {"Alive": True, "Resources": {"CPU": 4, "GPU": n}} for n in g])
+        trainable = dsgd.Trainer.as_trainable(Classifier, num_workers=2)
+        bundles = trainable.default_resource_request({}).bundles
+        assert [("GPU" in b) for b in bundles[1:]] == [want, want], (gpus_per_node, bundles)
+
+
 # ~11 s: `slow` (keeps the default run under 8 minutes); Tune's own integration is
 # exercised by the tune_mnist example in the slow run as well.
 @pytest.mark.slow

@@ -33,7 +33,7 @@ def resolve_gpu(gpu: bool | None, num_workers: int, devices_per_worker: int) -> 
         per_place = [n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")]
         where = "the cluster"
     have = sum(per_place)
-    fit = sum(int(g // devices_per_worker) for g in per_place)
+    fit = workers_on_gpus(per_place, devices_per_worker)
     if have and fit >= num_workers:
         logger.info("training on GPUs: %d worker(s) x %d GPU(s) (%s has %g GPU(s); gpu=False "
                     "trains on CPU)", num_workers, devices_per_worker, where, have)
@@ -46,6 +46,23 @@ def resolve_gpu(gpu: bool | None, num_workers: int, devices_per_worker: int) -> 
         logger.info("training on CPU: %s has no GPU (gpu=None); %d worker(s) x %d replica(s)",
                     where, num_workers, devices_per_worker)
     return False
+
+
+def workers_on_gpus(gpus_per_place: list[float], devices_per_worker: int) -> int:
+    """How many workers of `devices_per_worker` GPUs each (all on one node, or one
+    bundle) places with these GPU counts hold: `gpu=None` (and the Trainer's
+    `use_gpu=None`, Ray Tune's trials included) means GPUs only when this is at
+    least the number of workers."""
+    return sum(int(g // devices_per_worker) for g in gpus_per_place)
+
+
+def cluster_gpus_hold(num_workers: int, devices_per_worker: int) -> bool:
+    """Whether the alive nodes' GPUs hold `num_workers` workers of
+    `devices_per_worker` GPUs each (`workers_on_gpus`). Blocks for one GCS call."""
+    import ray
+
+    per_node = [n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")]
+    return sum(per_node) > 0 and workers_on_gpus(per_node, devices_per_worker) >= num_workers
 
 
 def check_resources(num_workers: int, devices_per_worker: int, gpu: bool, num_cpus: float) -> None:

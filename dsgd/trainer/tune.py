@@ -32,10 +32,13 @@ def trainable(trainer_cls, training_operator_cls, *, num_workers: int = 1,
         def default_resource_request(cls, config):
             import ray
 
+            from dsgd.engine.resources import cluster_gpus_hold
+
             worker = {"CPU": num_cpus_per_worker}
-            # None: the cluster's GPUs, if any (the trial's Trainer then finds them in its group).
+            # None: GPUs when the cluster's could hold every worker, the engine's rule for
+            # gpu=None (the trial's Trainer then finds them in its group).
             if use_gpu or (use_gpu is None and ray.is_initialized()
-                           and ray.cluster_resources().get("GPU", 0) > 0):
+                           and cluster_gpus_hold(num_workers, devices_per_worker)):
                 worker["GPU"] = devices_per_worker
             return tune.PlacementGroupFactory([{"CPU": 1}] + [worker] * num_workers)
 
