@@ -23,8 +23,9 @@ class Config:
     """What a `DistributedSGD` was asked for (see its docstring for each field).
 
     Fields beyond the constructor's documented arguments: `apply_per_group`
-    (strategy "ps": apply each PS group's mean as soon as it arrives, where the
-    optimizers allow it; False: one apply per step) and `local_steps_per_call`
+    (the driver-relayed exchange only, `worker_exchange=False`: apply each PS
+    group's mean as soon as it arrives, where the optimizers allow it; False:
+    one apply per step) and `local_steps_per_call`
     (`train()`: steps per actor call), and `worker_exchange` (strategy "ps",
     several workers: False has the driver relay every group of every step;
     True, the default, has the workers exchange by themselves, backup workers

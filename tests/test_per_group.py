@@ -1,5 +1,5 @@
-"""Per-group apply (strategy "ps", the driver-relayed exchange that backup workers
-take: `worker_exchange=False` here): each worker applies a PS group's mean as
+"""Per-group apply (strategy "ps", the driver-relayed exchange: `worker_exchange=False`
+here; the workers' own exchange, backup workers included, does not read the flag): each worker applies a PS group's mean as
 soon as it is in the store (Worker.apply_staged). It must be one update of the whole
 step: the same weights and optimizer state, bit for bit, as one apply, with
 learning-rate schedules, Adam's bias correction and several optimizers."""

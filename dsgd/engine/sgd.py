@@ -127,13 +127,18 @@ class DistributedSGD:
             `breakpoint()` in `model_creator` or `get_loss` stops in this
             terminal; the same driver code path otherwise (dsgd/engine/local.py).
             For debugging: slower, and a worker that raises is not replaced.
-        apply_per_group: (performance switch, never changes results) on the
-            driver-relayed exchange (`worker_exchange=False`) with several PS
-            groups: each worker applies a group's mean as soon
-            as it is in the store, where the optimizers allow it
-            (`per_group_blocker` says why not); False: one apply per step. (The
-            workers' own exchange applies each step at once, after every
-            group's mean is in.)
+        apply_per_group: (performance switch, never changes results) read
+            only on the driver-relayed exchange (`worker_exchange=False`,
+            strategy "ps", several workers): with several PS groups, every
+            worker on one node and optimizers that allow it
+            (`per_group_blocker` says why not), each worker applies a group's
+            mean as soon as it is in the store (`applies_per_group` says
+            whether it does); False: one apply per step. The workers' own
+            exchange (the default) does not read it: with `overlap` it
+            applies a step in at most two updates as the means arrive (in
+            one where `per_group_blocker` gives a reason), or inside the next
+            step's compiled call when a dataset's step follows in the same
+            call; without `overlap`, in one update once every mean is in.
         local_steps_per_call: (performance switch, never changes results)
             `train()`: steps per actor call with one worker, and per call of
             each worker on the workers' own exchange. None (default): 8 with
@@ -147,14 +152,16 @@ class DistributedSGD:
             (dsgd/engine/worker_steps.py; with backup workers PS 0 names each
             step's contributors); False has the driver relay every group of
             every step (dsgd/engine/step.py `ExchangeStep`), for comparison.
-        overlap: (performance switch, never changes results) the workers'
-            exchange (backup workers included): True sends the gradient during the
-            backward pass, each bucket of consecutive layers (>= 4 MiB) to its
-            PS as soon as the backward pass has made it, and applies the means
-            as they arrive (docs/architecture.md "One step"); False sends it
-            once the step is computed. None (default): True with `gpu`, False
-            on CPU workers, whose compute would share the cores with the
-            exchange (measured: benchmarks/README.md "Overlap").
+        overlap: (performance switch; results the same to float32 round-off:
+            tests/test_overlap.py checks True against False within 1e-5, not
+            bit for bit) the workers' exchange (backup workers included):
+            True sends the gradient during the backward pass, each bucket of
+            consecutive layers (>= 4 MiB) to its PS as soon as the backward
+            pass has made it, and applies the means as they arrive
+            (docs/architecture.md "One step"); False sends it once the step
+            is computed. None (default): True with `gpu`, False on CPU
+            workers, whose compute would share the cores with the exchange
+            (measured: benchmarks/README.md "Overlap").
         timeline: a file path: write a Chrome trace of the run there (open it in
             https://ui.perfetto.dev or chrome://tracing): per worker each step's
             data, compute, exchange and apply and each group's send, per PS each

@@ -489,13 +489,13 @@ def workers_exchange(config: Config, num_workers: int) -> bool:
 
 def per_group(config: Config, topology: Topology, actors: ActorSet) -> bool:
     """Whether steps apply each PS group's mean as it arrives: the driver-relayed
-    exchange of strategy "ps" (not `workers_exchange`), more than one group,
+    exchange of strategy "ps" (several workers, not `workers_exchange`), more than one group,
     optimizers that allow it (Replicas.per_group_blocker), every worker on one
     node, and `apply_per_group`. One node: a worker computes a dead PS's mean
     from the workers' gradient objects, which outlive their processes there; a
     lost node takes its workers' objects with it, and survivors that had begun
     to apply could neither finish nor undo."""
     return (config.apply_per_group and config.strategy == "ps" and len(topology.groups) > 1
-            and not workers_exchange(config, actors.num_workers)
+            and actors.num_workers > 1 and not workers_exchange(config, actors.num_workers)
             and topology.per_group_blocker is None
             and len({actors.info(s)["node_id"] for s in actors.slots}) == 1)

@@ -1,5 +1,5 @@
 """`dsgd.AverageMeterCollection`: averages of per-batch values for a custom
-`train_epoch`/`validate` (the seed's `ray.util.sgd.utils.AverageMeterCollection`)."""
+`train_epoch`/`validate` (as RaySGD's `ray.util.sgd.utils.AverageMeterCollection`)."""
 
 from __future__ import annotations
 

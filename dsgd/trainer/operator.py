@@ -1,4 +1,4 @@
-"""`dsgd.TrainingOperator`: what one replica trains (seed torch_trainer, for Keras).
+"""`dsgd.TrainingOperator`: what one replica trains (RaySGD's TrainingOperator, for Keras).
 
 Subclass it and implement `setup(config)`, which builds the models, optimizers,
 loss, metrics and data and registers them. `dsgd.Trainer` makes one operator
@@ -14,7 +14,7 @@ from typing import Any
 
 BATCH_SIZE = "*batch_size"
 """The `Trainer(config=...)` key of the global batch size (examples per step
-over all replicas), as in the seed. The Trainer divides it among all replicas
+over all replicas), as in RaySGD. The Trainer divides it among all replicas
 (ValueError if it does not divide); inside an operator, `config[BATCH_SIZE]`
 is the per-replica batch. Registered `dsgd.Dataset`s then get
 `config[BATCH_SIZE] // num_workers` as their per-worker `batch_size`."""
@@ -231,7 +231,7 @@ class TrainingOperator:
 
     # -- per epoch (override for custom epochs) ---------------------------------------------
     def train_epoch(self, iterator, info: dict) -> dict:
-        """One epoch on this worker. Override it for a custom epoch (the seed's
+        """One epoch on this worker. Override it for a custom epoch (RaySGD's
         `train_epoch`): it then runs in every worker at once, on replica 0's
         operator. Call `self.train_step(batch)` for each step of all workers:
         every worker must call it equally often. Not overridden, the Trainer
@@ -279,7 +279,7 @@ class TrainingOperator:
 
     def validate(self, iterator, info: dict) -> dict:
         """Validation on this worker. Override it for a custom validation (the
-        seed's `validate(val_iterator, info)`). Not overridden, the Trainer
+        RaySGD's `validate(val_iterator, info)`). Not overridden, the Trainer
         validates with `validate_batch` and the registered metrics (their
         states summed over workers: exact over the whole set); this default,
         for an override to call, runs the compiled `validate_batch` on each
@@ -367,13 +367,13 @@ class TrainingOperator:
                              "train_batch/validate_batch")
         return tf.reduce_mean(tf.cast(self._loss(y, predictions), tf.float32))
 
-    # -- backwards compatibility (seed) ---------------------------------------------------
+    # -- RaySGD's creator-function API ---------------------------------------------------
     @classmethod
     def from_creators(cls, model_creator: Callable, optimizer_creator: Callable,
                       data_creator: Callable, loss_creator: Callable | None = None,
                       metrics_creator: Callable | None = None,
                       scheduler_creator: Callable | None = None) -> type:
-        """An operator class from creator functions (the seed's API), whose
+        """An operator class from creator functions (RaySGD's API), whose
         `setup` calls them and registers what they return.
 
         Args:

@@ -1,4 +1,4 @@
-"""Learning-rate schedulers of the Trainer (seed torch_trainer's `schedulers=`,
+"""Learning-rate schedulers of the Trainer (RaySGD TorchTrainer's `schedulers=`,
 the Keras way).
 
 A scheduler, registered with `TrainingOperator.register(schedulers=...)`,

@@ -1,5 +1,5 @@
 """`dsgd.Trainer`: epochs, validation, metrics, checkpoints, mixed precision and
-TensorBoard over a `DistributedSGD` (seed torch_trainer, for TensorFlow/Keras).
+TensorBoard over a `DistributedSGD` (RaySGD's TorchTrainer, for TensorFlow/Keras).
 
 The driver owns one `DistributedSGD` whose replicas are the user's
 `TrainingOperator`s (dsgd/trainer/replica.py): training goes through the
@@ -189,7 +189,7 @@ class Trainer:
         Args:
             num_steps: steps to run; None: one epoch.
             dataset: a `dsgd.Dataset` to train on instead of the registered
-                data (the seed's `train(dataset=...)`).
+                data (RaySGD's `train(dataset=...)`).
             profile: add mean seconds per step (`mean_data_s`,
                 `mean_compute_s`, `mean_exchange_s`, `mean_apply_s`,
                 `mean_step_s`) and `train_epoch_s`.

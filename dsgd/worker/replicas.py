@@ -200,7 +200,7 @@ class Replicas:
         the same compiled call, exactly as `apply` would: TensorFlow orders each
         variable's reads after its update within one tf.function, so the forward
         pass of the first layers runs while the later layers' variables are
-        still being updated (issue 35, item 3). Afterwards, even after an error,
+        still being updated. Afterwards, even after an error,
         `pending_applied` says whether that update ran whole (True), may have
         run in part (False) or did not run at all (None: the call failed before
         running, e.g. tracing), and `applied_at` (perf_counter) when it was
