@@ -105,6 +105,16 @@ def add_ratios(rows: list[dict]) -> None:
         r["ratio_to_plain_tf"] = r["images_per_s"] / plain["images_per_s"] if plain else None
 
 
+def provenance() -> dict:
+    """The commit the run measured, and whether the checkout had changes beside it."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True,
+                              cwd=HERE).stdout.strip()
+
+    return {"commit": git("rev-parse", "--short", "HEAD") or "unknown",
+            "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=["comm", "compute"])
@@ -131,7 +141,8 @@ def main(argv=None):
                     print(f"    {r['status']}" + (f": {r['images_per_s']:.1f} images/s" if r["status"] == "ok"
                                                   else f" ({r.get('error', '')[:200]})"), flush=True)
     add_ratios(rows)
-    result = {"benchmark": "peers", "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU",
+    result = {"benchmark": "peers", "date": time.strftime("%Y-%m-%d"), **provenance(),
+              "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU",
               "python": platform.python_version(), "configs": args.configs, "workers": args.workers,
               "config_details": {c: common.CONFIGS[c] for c in args.configs},
               "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "rows": rows,
