@@ -232,19 +232,28 @@ def peers(result: dict, path: str) -> None:
         labels = {r["peer"]: r["label"] for r in rows}
         width = 0.8 / len(result["workers"])
         for k, workers in enumerate(result["workers"]):
-            values = []
+            values, rounds = [], []
             for p in peer_names:
-                r = next((r for r in rows if r["peer"] == p and r["num_workers"] == workers), None)
-                values.append(r["images_per_s"] if r and r["status"] == "ok" else 0.0)
+                ok = [r["images_per_s"] for r in rows if r["peer"] == p
+                      and r["num_workers"] == workers and r["status"] == "ok"]
+                # several interleaved rounds: the median, each round a dot
+                values.append(sorted(ok)[len(ok) // 2] if ok else 0.0)
+                rounds.append(ok)
             xs = [i + (k - (len(result["workers"]) - 1) / 2) * width for i in range(len(peer_names))]
-            ax.bar(xs, values, width, label=f"{workers} worker(s)")
+            label = f"{workers} worker(s)" + (", median of rounds" if result.get("rounds", 1) > 1
+                                              else "")
+            ax.bar(xs, values, width, label=label)
+            if result.get("rounds", 1) > 1:
+                for x, ok in zip(xs, rounds):
+                    ax.plot([x] * len(ok), ok, "k.", markersize=5)
         ax.set_xticks(range(len(peer_names)))
         ax.set_xticklabels([labels[p] for p in peer_names], rotation=30, ha="right", fontsize=8)
         c = result["config_details"][config]
         ax.set_title(f"{config}: {c['model']} {c['image_size']}², batch {c['batch_size']}/replica")
         ax.set_ylabel("images/s (higher is better)")
         ax.legend(fontsize=8)
-    fig.suptitle(f"dsgd and peers, {result['machine']}", fontsize=10)
+    when = f", {result['date']}, commit {result['commit']}" if "date" in result else ""
+    fig.suptitle(f"dsgd and peers, {result['machine']}{when}", fontsize=10)
     _save(fig, path, dpi=110)
 
 
@@ -303,6 +312,60 @@ def overlap(result: dict, path: str) -> None:
     _save(fig, path)
 
 
+def trace(result: dict, path: str) -> None:
+    """A dsgd timeline (the Chrome trace `timeline=` writes): one lane per process and
+    row, each span a bar, over the steps the trace's `window_steps` names (default
+    all), so the docs can show what Perfetto shows."""
+    plt = _pyplot()
+    events = result["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    rows = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = [e for e in events if e.get("ph") == "X"]
+    window = result.get("window_steps")
+    if window:
+        first, last = window
+        steps = [e for e in spans if first <= e.get("args", {}).get("step", -1) <= last]
+        lo = min(e["ts"] for e in steps)
+        hi = max(e["ts"] + e["dur"] for e in steps)
+        spans = [e for e in spans if e["ts"] + e["dur"] >= lo and e["ts"] <= hi]
+    start = min(e["ts"] for e in spans)
+
+    def lane(e):  # forward and backward lie inside compute: a lane of their own below it
+        return (e["pid"], f"{e['tid']}: inside compute" if e["name"] in ("forward", "backward")
+                else e["tid"])
+
+    order = sorted({lane(e) for e in spans},
+                   key=lambda k: (names.get(k[0], "") != "driver", names.get(k[0], ""), k[1]))
+    palette = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3",
+               "#8c8c8c", "#ccb974", "#64b5cd"]
+    import re
+
+    def kind_of(e):  # "send group 3" -> "send", "step 20" -> "call (step)"
+        name = e["name"].split(" group")[0].split(" (")[0]
+        return "call (steps)" if re.fullmatch(r"steps? [\d-]+", name) else name
+
+    kinds = sorted({kind_of(e) for e in spans})
+    color = {k: palette[i % len(palette)] for i, k in enumerate(kinds)}
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(order) + 1.6))
+    for y, key in enumerate(order):
+        for e in (e for e in spans if lane(e) == key):
+            kind = kind_of(e)
+            ax.barh(y, max(e["dur"] / 1000, 0.2), left=(e["ts"] - start) / 1000, height=0.6,
+                    color=color[kind], edgecolor="black", linewidth=0.3)
+    ax.set_yticks(range(len(order)),
+                  [f"{names.get(p, p)}: {rows.get((p, t), t)}" for p, t in order], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color[k]) for k in kinds]
+    ax.legend(handles, kinds, fontsize=7, ncol=min(len(kinds), 6), loc="upper center",
+              bbox_to_anchor=(0.5, -0.25 if len(order) < 8 else -0.12))
+    ax.set_title(result.get("title", "dsgd timeline"), fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    _save(fig, path)
+
+
 KINDS = {"driver_cost": driver_cost, "comm": comm, "step_time": step_time, "overhead": overhead, "stragglers": stragglers,
          "ingest": ingest, "trainer_overhead": trainer_overhead, "chaos": chaos, "peers": peers,
          "overlap": overlap}
@@ -319,8 +382,10 @@ CHARTS = {
     "resnet_synthetic.png": (resnet_synthetic, ["resnet_synthetic_resnet50_1w_cpu.json",
                                                 "resnet_synthetic_resnet101_1w_cpu.json"]),
     "peers.png": (peers, ["peers.json"]),
+    "peers_default_path.png": (peers, ["peers_default_path.json"]),
     "driver_cost.png": (driver_cost, ["driver_cost.json"]),
     "overlap.png": (overlap, ["overlap.json"]),
+    "timeline_mnist.png": (trace, ["timeline_mnist.json"]),
 }
 
 
@@ -330,6 +395,8 @@ def _load(path: str) -> dict:
 
 
 def _kind(result: dict, path: str) -> str:
+    if "traceEvents" in result:
+        return "trace"
     name = result.get("benchmark") or os.path.basename(path)
     for kind in sorted(KINDS, key=len, reverse=True):  # "trainer_overhead" before "overhead"
         if name.startswith(kind):
@@ -346,6 +413,8 @@ def draw(json_path: str) -> str:
     png = os.path.splitext(json_path)[0] + ".png"
     if kind == "resnet_synthetic":
         resnet_synthetic([result], png)
+    elif kind == "trace":
+        trace(result, png)
     else:
         KINDS[kind](result, png)
     return png
