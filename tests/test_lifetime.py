@@ -73,15 +73,11 @@ def test_instances_dropped_after_errors_leave_nothing_behind(monkeypatch):
     gc.collect()
     assert not actors_gone(), "a failed constructor left actors"
 
-    # 3. The next instance gets every CPU at once and trains; used as a temporary
-    #    (never bound to a name) it goes when the statement ends.
-    assert make(fine).train(num_steps=2)["steps"] == 2
-    gc.collect()
-    assert not actors_gone()
-
-    # 4. One that cannot be placed says so within seconds, naming who holds the CPUs.
+    # 3. The next instance gets every CPU at once and trains; 4. while it holds them, one
+    #    that cannot be placed says so within seconds, naming who holds the CPUs.
     monkeypatch.setattr(constants, "START_ROOM_WAIT_S", 2.0)
     with make(fine) as holder:
+        assert holder.train(num_steps=2)["steps"] == 2
         with pytest.raises(dsgd.ResourceError) as raised:
             make(fine)
         message = str(raised.value)
