@@ -87,6 +87,21 @@ def _count_starts():
 _count_starts()
 
 
+# Under pytest-xdist (the default: two test processes, pyproject.toml's addopts) each worker
+# process counts its own starts and hands them to the controller, which reports the sum.
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker
+        workeroutput["dsgd_started"] = dict(_STARTED)
+
+
+def pytest_testnodedown(node, error):
+    for test, (workers, ps) in getattr(node, "workeroutput", {}).get("dsgd_started", {}).items():
+        counts = _STARTED.setdefault(test, [0, 0])
+        counts[0] += workers
+        counts[1] += ps
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _STARTED:
         return

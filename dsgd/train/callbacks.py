@@ -189,8 +189,13 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     over ranks.
 
     Args:
-        monitor, verbose, save_weights_only, mode, save_freq: Keras'
-            `ModelCheckpoint`'s (Horovod's order and defaults).
+        monitor: the logged value compared (Keras' `ModelCheckpoint`'s, as the
+            next four; Horovod's order and defaults).
+        verbose: > 0: say when a model is saved.
+        save_weights_only: save the weights only (`filepath` then ends in
+            `.weights.h5`).
+        mode: "auto", "min" or "max": which way is better.
+        save_freq (str | int): "epoch", or every that many batches.
         filepath: where to save (`.keras`, or `.weights.h5` with
             save_weights_only).
 
