@@ -47,8 +47,13 @@ def python_blocks(path: Path) -> list[str]:
 
 
 def user_env(**extra) -> dict:
+    """A user's shell: no TF_CPP_MIN_LOG_LEVEL, no cluster to join. RAY_ADDRESS=local
+    keeps a block's `ray.init()` from joining another test process's cluster (a
+    `ray.cluster_utils.Cluster` head registers itself as this machine's latest
+    cluster, which a bare `ray.init()` would connect to)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("TF_CPP_MIN_LOG_LEVEL", "RAY_ADDRESS", "PYTEST_CURRENT_TEST")}
+           if k not in ("TF_CPP_MIN_LOG_LEVEL", "PYTEST_CURRENT_TEST")}
+    env["RAY_ADDRESS"] = "local"
     env.update(extra)
     return env
 

@@ -94,10 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     quiet = {"env_vars": env_vars}
     if not ray.is_initialized():
         address = args.address or os.environ.get("RAY_ADDRESS")
-        if address:
+        if address and address != "local":
             ray.init(address=address, runtime_env=quiet)
         else:  # a local cluster: room for every rank, as horovodrun oversubscribes
-            ray.init(num_cpus=max(args.num_proc, os.cpu_count() or 1), runtime_env=quiet)
+            ray.init(address="local", num_cpus=max(args.num_proc, os.cpu_count() or 1),
+                     runtime_env=quiet)
     cpus = ray.cluster_resources().get("CPU", 0)
     if cpus < args.num_proc:
         print(f"dsgd.train.run: -np {args.num_proc} needs {args.num_proc} CPUs but the Ray "
