@@ -126,25 +126,14 @@ def raylet_pid() -> int | None:
     return None
 
 
-def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, compression=None,
-           per_group=True, ab_rounds=0):
+def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, compression=None):
     """Per-step medians of the dsgd step and its phases, plus where the CPU went:
-    CPU ms and minor page faults per step of every process (Linux /proc).
-    per_group=False: one apply per step (DistributedSGD(apply_per_group=False)).
-    ab_rounds: then that many interleaved rounds (ABBA) of this instance and a
-    second one with per-group apply off, both warm (ab_* keys)."""
-    import contextlib
-
+    CPU ms and minor page faults per step of every process (Linux /proc)."""
     import ray
 
-    def make(apply_per_group):
-        return dsgd.DistributedSGD(lambda w, d: FlatModel(mib, num_variables), workers, 1,
-                                   gpu=False, strategy="ps", num_ps=num_ps,
-                                   grad_shard_bytes=shard_bytes, compression=compression,
-                                   apply_per_group=apply_per_group)
-
-    with contextlib.ExitStack() as stack:
-        sgd = stack.enter_context(make(per_group))
+    with dsgd.DistributedSGD(lambda w, d: FlatModel(mib, num_variables), workers, 1,
+                             gpu=False, strategy="ps", num_ps=num_ps,
+                             grad_shard_bytes=shard_bytes, compression=compression) as sgd:
         for _ in range(warmup):
             sgd.step()
         pids = {f"worker{i}": ray.get(w.ping.remote(), timeout=60)["pid"]
@@ -158,30 +147,14 @@ def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, comp
         after = {k: proc_stat(pid) for k, pid in pids.items()}
         groups = len(sgd.shard_groups)
         num_shards = sgd.plan.num_shards
-        applied_per_group = sgd.applies_per_group
         # train(): each next step submitted before the last one's result is back.
         in_flight = sgd.train(num_steps=steps)["step_s"]
-        ab = {}
-        if ab_rounds and applied_per_group:
-            # Interleaved A/B: rounds of step() and train() with per-group apply on
-            # (this instance) and off (a second one, idle while the first runs).
-            one_apply = stack.enter_context(make(False))
-            for _ in range(warmup):
-                one_apply.step()
-            for r in range(ab_rounds):
-                order = ((sgd, "per_group"), (one_apply, "one_apply"))
-                for instance, name in (order if r % 2 == 0 else order[::-1]):  # ABBA
-                    ab.setdefault(f"{name}_step_s", []).append(
-                        median_time(instance.step, steps, 1))
-                    ab.setdefault(f"{name}_train_s", []).append(
-                        instance.train(num_steps=steps)["step_s"])
-            ab = {f"ab_{k}": statistics.median(v) for k, v in ab.items()}
     phases = {k: statistics.median(s[k] for s in stats)
               for k in ("step_s", "compute_s", "exchange_s", "apply_s")}
     phases["train_step_s"] = in_flight
     phases["cpu_ms_per_step"] = {k: 1e3 * (after[k][0] - before[k][0]) / steps for k in pids}
     phases["faults_per_step"] = {k: (after[k][1] - before[k][1]) / steps for k in pids}
-    phases.update(num_shards=num_shards, num_groups=groups, per_group=applied_per_group, **ab)
+    phases.update(num_shards=num_shards, num_groups=groups)
     return phases
 
 
@@ -292,12 +265,6 @@ def main(argv=None):
                    help="populate the object store's pages at start (RAY_preallocate_plasma_memory)")
     p.add_argument("--compression", nargs="*", default=[], choices=["fp16", "bf16"],
                    help="also run dsgd with these gradient compressions (dsgd_<c>_s columns)")
-    p.add_argument("--one-apply", action="store_true",
-                   help="also run dsgd applying each step at once instead of group by group "
-                        "(dsgd_one_apply_* columns; per_group_over_one_apply)")
-    p.add_argument("--ab-rounds", type=int, default=0,
-                   help="interleaved rounds of per-group apply on/off on the same actors "
-                        "(dsgd_phases ab_* keys: medians of step() and train() step times)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "comm.json"))
     args = p.parse_args(argv)
     import ray
@@ -313,7 +280,7 @@ def main(argv=None):
         row = {"mib": mib, "workers": args.workers, "num_ps": args.ps,
                "memcpy_s": memcpy_s(mib, args.steps), "plain_s": plain_s(mib, args.steps, args.warmup, args.variables)}
         phases = dsgd_s(mib, args.workers, args.ps, args.steps, args.warmup, int(args.shard_mb * 1e6),
-                        args.variables, ab_rounds=args.ab_rounds)
+                        args.variables)
         row.update(dsgd_s=phases["step_s"], dsgd_phases=phases)
         row["peer_s"], row["peer_cpu_ms_per_step"] = peer_s(mib, args.workers, args.ps, args.steps,
                                                             args.warmup)
@@ -343,30 +310,6 @@ def main(argv=None):
             print(f"        compression {compression}: dsgd step {1e3 * cphases['step_s']:.1f} ms "
                   f"({row[f'dsgd_{compression}_over_floor']:.2f} x the floor), train() step "
                   f"{1e3 * cphases['train_step_s']:.1f} ms", flush=True)
-        if args.one_apply:
-            ophases = dsgd_s(mib, args.workers, args.ps, args.steps, args.warmup,
-                             int(args.shard_mb * 1e6), args.variables, per_group=False)
-            row["dsgd_one_apply_s"] = ophases["step_s"]
-            row["dsgd_one_apply_train_s"] = ophases["train_step_s"]
-            row["dsgd_one_apply_phases"] = ophases
-            row["per_group_over_one_apply"] = row["dsgd_s"] / ophases["step_s"]
-            row["per_group_over_one_apply_train"] = row["dsgd_train_s"] / ophases["train_step_s"]
-            print(f"        one apply per step: dsgd step {1e3 * ophases['step_s']:.1f} ms, train() "
-                  f"step {1e3 * ophases['train_step_s']:.1f} ms; per group / one apply "
-                  f"{row['per_group_over_one_apply']:.2f} (step), "
-                  f"{row['per_group_over_one_apply_train']:.2f} (train)", flush=True)
-        if "ab_per_group_step_s" in phases:
-            row["ab_per_group_over_one_apply_step"] = (phases["ab_per_group_step_s"]
-                                                       / phases["ab_one_apply_step_s"])
-            row["ab_per_group_over_one_apply_train"] = (phases["ab_per_group_train_s"]
-                                                        / phases["ab_one_apply_train_s"])
-            print(f"        interleaved A/B, {args.ab_rounds} rounds: step() per group "
-                  f"{1e3 * phases['ab_per_group_step_s']:.1f} vs one apply "
-                  f"{1e3 * phases['ab_one_apply_step_s']:.1f} ms "
-                  f"({row['ab_per_group_over_one_apply_step']:.2f}); train() "
-                  f"{1e3 * phases['ab_per_group_train_s']:.1f} vs "
-                  f"{1e3 * phases['ab_one_apply_train_s']:.1f} ms "
-                  f"({row['ab_per_group_over_one_apply_train']:.2f})", flush=True)
         rows.append(row)
         print(f"{mib:6.1f} MiB: memcpy {1e3 * row['memcpy_s']:.1f} ms, plain {1e3 * row['plain_s']:.1f} ms, "
               f"dsgd {1e3 * row['dsgd_s']:.1f} ms, exchange {1e3 * row['exchange_s']:.1f} ms "

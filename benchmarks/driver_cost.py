@@ -1,7 +1,7 @@
 """The driver's own CPU per step, as the number of workers grows.
 
     python benchmarks/driver_cost.py [--workers 2 4 6 8] [--steps 40] [--mib 8]
-                                     [--shard-mib 1] [--paths relayed workers workers_step]
+                                     [--shard-mib 1] [--paths workers workers_step]
                                      [--label NAME] [--out PATH]
 
 A compute-free model (`--mib` MiB of float32 gradients, loss = c * sum(v): the
@@ -13,15 +13,16 @@ Ray's own threads in the driver included, through `time.process_time`) is
 divided by the steps; wall time per step is reported beside it.
 
 Paths, measured interleaved for each N in one run (`--paths`):
-- `relayed`: the driver relays every group of every step (`worker_exchange=False`,
-  the engine's "ps" step before the workers' own exchange): N*(P+1) streamed
-  items, P PS calls and N applies per step;
 - `workers`: the workers' own exchange (the default), `train()` running
   max(8, 4 x N) steps per call of each worker (`local_steps_per_call=None`),
   worker 0 reporting every worker's totals per step and each worker its own
   figures per call (dsgd/comm/reports.py);
 - `workers_step`: the same with one step per call (`local_steps_per_call=1`, as
   `step()` runs): the driver's cost per call, not amortised.
+
+(Rows labelled `relayed` in the result file are of the driver-relayed exchange,
+`worker_exchange=False`, since retired from dsgd: the driver relayed every group
+of every step, N*(P+1) streamed items, P PS calls and N applies per step.)
 
 Work per step that grows with N in the driver is the thing this measures
 (STYLE 16): the target is N=8 within 1.5x of N=2. An idle driver process
@@ -81,8 +82,7 @@ class FlatModel(dsgd.Model):
         return self.optimizer
 
 
-PATHS = {"relayed": {"worker_exchange": False},
-         "workers": {},
+PATHS = {"workers": {},
          "workers_step": {"local_steps_per_call": 1}}
 
 
@@ -156,7 +156,7 @@ def main(argv=None) -> dict:
         result["rows"] = [r for r in result["rows"] if r["label"] != label]
     result["rows"] += rows
     # Per path: the figure at the largest N over the smallest (target <= 1.5 for
-    # "workers"), and each path's figure at the largest N over "relayed"'s (<= 0.25).
+    # "workers").
     for path in args.paths:
         by_n = {r["num_workers"]: r["driver_cpu_ms_per_step"] for r in rows if r["path"] == path}
         net = {r["num_workers"]: r["driver_cpu_ms_per_step_net_of_idle"] for r in rows
@@ -165,18 +165,11 @@ def main(argv=None) -> dict:
             result.setdefault("growth", {})[f"{label}/{path}"] = by_n[max(by_n)] / by_n[min(by_n)]
             result.setdefault("growth_net_of_idle", {})[f"{label}/{path}"] = \
                 net[max(net)] / net[min(net)] if net[min(net)] > 0 else float("nan")
-        if path != "relayed" and "relayed" in args.paths:
-            top = max(by_n)
-            base = [r["driver_cpu_ms_per_step"] for r in rows
-                    if r["path"] == "relayed" and r["num_workers"] == top]
-            result.setdefault("over_relayed", {})[f"{label}/{path}/N={top}"] = \
-                by_n[top] / base[0]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({"out": args.out, "growth": result.get("growth"),
-                      "growth_net_of_idle": result.get("growth_net_of_idle"),
-                      "over_relayed": result.get("over_relayed")}))
+                      "growth_net_of_idle": result.get("growth_net_of_idle")}))
     return result
 
 

@@ -17,15 +17,16 @@ every repetition), medians over repetitions:
   hands every caller its ref; the worker reads it zero-copy and applies. The
   driver calls `run_steps(k)` on each worker once per k steps.
 - `compiled`: a Ray Compiled Graph: worker.compute (G returns, one channel each,
-  routed to the owning PS) -> ParameterServer.mean (one node per group) ->
+  routed to the owning PS) -> BenchPS.mean (one node per group) ->
   worker.apply (all G means) -> driver. The driver calls `execute` per step, up
   to `inflight` executions ahead, and reads the N apply outputs (O(N) reads: a
   compiled graph allows no leaf nodes, so every apply must feed something).
 - `compiled_collect`: the same graph with the N apply outputs collected by one
   method on PS 0, so that the driver reads one output per step.
-- `driver_relayed` (what the engine does today): per step the driver gets each
-  worker's G refs (`num_returns=G`), calls `ParameterServer.mean` per group and
-  `apply` per worker: O(N*G) refs and O(N + G) calls through the driver.
+- `driver_relayed` (the engine's exchange when this was measured, since
+  retired from dsgd): per step the driver gets each worker's G refs
+  (`num_returns=G`), calls `BenchPS.mean` per group and `apply` per worker:
+  O(N*G) refs and O(N + G) calls through the driver.
 
 Measured: (1) "driver_cost" (S=8 MiB in 1 MiB groups, N = 2, 4, 6, 8): the
 driver's CPU per step (`time.process_time`, every thread of the driver process)
@@ -185,7 +186,7 @@ class Worker:
         return tuple((buf,) for buf in self.grads)  # a group: the tuple of its pieces
 
     def compute(self, cmd):
-        """Groups as `ParameterServer.mean` takes them (G returns; G == 1: one)."""
+        """Groups as `BenchPS.mean` takes them (G returns; G == 1: one)."""
         parts = self._fill(cmd)
         return parts if len(parts) > 1 else parts[0]
 
@@ -217,7 +218,12 @@ class Worker:
 
 
 class BenchPS(ParameterServer):
-    """dsgd's PS plus `collect`, the one output of the `compiled_collect` graph."""
+    """dsgd's PS plus `mean` (a group's mean over every worker's part, passed
+    whole: the driver-relayed exchange, retired from dsgd) and `collect`, the
+    one output of the `compiled_collect` graph."""
+
+    def mean(self, shards, *worker_groups) -> tuple:
+        return self._means(shards, worker_groups)
 
     def collect(self, *applied) -> int:
         return min(applied)

@@ -14,7 +14,7 @@ layers above it have waited: gradients become ready during the backward pass,
 in reverse layer order, as on a GPU. Gradients are cheap constant fills of the
 weight's shape (the exchange moves real 4 MiB tensors).
 
-Ten configurations, interleaved in `--rounds` rounds (medians over the rounds
+Eight configurations, interleaved in `--rounds` rounds (medians over the rounds
 of each one's median step over `--steps` steps of `train()`, batches from a
 `dsgd.Dataset` as in real training):
 - `one, compute`: one worker, the sleeps (no exchange): the compute alone;
@@ -28,15 +28,12 @@ of each one's median step over `--steps` steps of `train()`, batches from a
   its item 3);
 - `two, compute, after backward`: sent after the backward pass (`overlap=False`,
   the step before issue 35): compute + whatever of the exchange is not hidden;
-- `two, compute, overlapped, sent from a thread`: overlapped, each bucket's put
-  and call from the worker's sender thread (`Worker.send_thread`), not from the
-  TensorFlow thread of its op;
 - the same with zero sleeps: their differences are each path's own cost.
 
-`--paths` picks the two-worker paths, separated by `;` (default: the four above); one more,
-`overlapped, applied before the next, each bucket its own update`
-(`Worker.apply_each_bucket`: an update per bucket as its mean arrives instead of
-at most two), runs only when named there.
+`--paths` picks the two-worker paths, separated by `;` (default: the three above).
+(Past result files also hold the paths `overlapped, sent from a thread` and
+`overlapped, applied before the next, each bucket its own update`: options
+since retired from dsgd, measured without gain; benchmarks/README.md "Overlap".)
 
 `exposed = (two, compute) - (one, compute)`; `own = (two, no compute) - (one, no
 compute)`, for each path; the figure of merit is the overlapped path's
@@ -138,16 +135,10 @@ class SleepyModel(dsgd.Model):
 # item 3 of issue 35), and after the backward pass (the step before issue 35).
 OVERLAPPED, APPLIED_BEFORE, AFTER = "overlapped", "overlapped, applied before the next", \
     "after backward"
-# (overlapped, each bucket's put and call from the worker's sender thread instead of
-# the TensorFlow thread of its op: Worker.send_thread, Sending.send_later)
-THREAD = "overlapped, sent from a thread"
-# (overlapped, applied before the next step, each bucket in its own update as its mean
-# arrives instead of at most two: Worker.apply_each_bucket)
-EACH = "overlapped, applied before the next, each bucket its own update"
-CONFIGS = [("one", True, None), ("two", True, OVERLAPPED), ("two", True, THREAD),
-           ("two", True, APPLIED_BEFORE), ("two", True, AFTER), ("one", False, None),
-           ("two", False, OVERLAPPED), ("two", False, THREAD), ("two", False, APPLIED_BEFORE),
-           ("two", False, AFTER)]
+PATHS = (OVERLAPPED, APPLIED_BEFORE, AFTER)
+CONFIGS = [("one", True, None), ("two", True, OVERLAPPED), ("two", True, APPLIED_BEFORE),
+           ("two", True, AFTER), ("one", False, None), ("two", False, OVERLAPPED),
+           ("two", False, APPLIED_BEFORE), ("two", False, AFTER)]
 
 
 def label(workers: str, compute: bool, path: str | None) -> str:
@@ -160,7 +151,7 @@ def run(workers: str, compute: bool, path: str | None, args,
     import numpy as np
 
     n = 1 if workers == "one" else 2
-    overlap = path in (OVERLAPPED, APPLIED_BEFORE, THREAD, EACH)
+    overlap = path in (OVERLAPPED, APPLIED_BEFORE)
     forward = args.forward_ms / 1e3 if compute else 0.0
     backward = args.backward_ms / 1e3 if compute else 0.0
     sgd = dsgd.DistributedSGD(lambda w, d: SleepyModel(args.layers, forward, backward), n, 1,
@@ -170,12 +161,8 @@ def run(workers: str, compute: bool, path: str | None, args,
                               # gpu=True would by default)
                               overlap=overlap)
     try:
-        if path in (APPLIED_BEFORE, EACH):
+        if path == APPLIED_BEFORE:
             sgd.foreach_worker(lambda w: setattr(w, "defer_apply", False))
-        if path == EACH:
-            sgd.foreach_worker(lambda w: setattr(w, "apply_each_bucket", True))
-        if path in (OVERLAPPED, THREAD):  # (whatever the default, each as named)
-            sgd.foreach_worker(lambda w, t=path == THREAD: setattr(w, "send_thread", t))
         # (batches from a dataset, as in real training: a step is applied in the next
         # step's call only then, as get_batch may read the model's state)
         data = dsgd.Dataset([np.ones(4, np.float32)] * (64 * BATCH), batch_size=BATCH)
@@ -264,17 +251,14 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                  "overlap.json"))
     p.add_argument("--paths", default=None,
-                   help="two-worker paths to run, separated by ';' (default: all but "
-                        f"'{EACH}'), e.g. '{APPLIED_BEFORE};{EACH}'; the one-worker "
-                        "rows always run")
+                   help="two-worker paths to run, separated by ';' (default: all), e.g. "
+                        f"'{OVERLAPPED};{AFTER}'; the one-worker rows always run")
     args = p.parse_args(argv)
-    paths = [OVERLAPPED, THREAD, APPLIED_BEFORE, AFTER] if args.paths is None else \
-        [x.strip() for x in args.paths.split(";")]
-    unknown = set(paths) - {OVERLAPPED, THREAD, APPLIED_BEFORE, AFTER, EACH}
+    paths = list(PATHS) if args.paths is None else [x.strip() for x in args.paths.split(";")]
+    unknown = set(paths) - set(PATHS)
     if unknown:
         p.error(f"--paths: unknown path(s) {sorted(unknown)}")
-    configs = [c for c in CONFIGS + [("two", True, EACH), ("two", False, EACH)]
-               if c[2] is None or c[2] in paths]
+    configs = [c for c in CONFIGS if c[2] is None or c[2] in paths]
 
     import ray
 
@@ -289,9 +273,8 @@ def main(argv=None) -> dict:
     median = {label(*c): statistics.median(x["median_step_ms"] for x in rows
                                            if x["config"] == label(*c)) for c in configs}
     figures = {}
-    for name, path in (("overlapped", OVERLAPPED), ("sent_from_a_thread", THREAD),
-                       ("applied_before_the_next", APPLIED_BEFORE), ("after_backward", AFTER),
-                       ("each_bucket_its_own_update", EACH)):
+    for name, path in (("overlapped", OVERLAPPED), ("applied_before_the_next", APPLIED_BEFORE),
+                       ("after_backward", AFTER)):
         if path not in paths:
             continue
         exposed = median[label("two", True, path)] - median["one, compute"]

@@ -6,7 +6,9 @@ predictions for ResNet-50 (docs/scaling.md).
 
 Prints the markdown table of docs/scaling.md and writes the JSON behind it.
 
-What the model follows (read from the code, not assumed):
+What the model follows (read from the code, not assumed; the points up to the
+workers' own exchange describe the driver-relayed step, `exchange="relayed"`,
+since retired from dsgd and kept here as the model's baseline):
 - `Worker.compute` runs the whole compiled step (forward, backward, local mean,
   NaN check, cast for compression) before it yields anything, so no byte of the
   exchange overlaps the backward pass: compute and exchange add up.
@@ -15,13 +17,12 @@ What the model follows (read from the code, not assumed):
 - The driver calls PS j's `mean` once every worker has written group j; the PS
   pulls the N objects (one per worker), sums them and returns one object; each
   worker pulls every PS's mean. PS j runs beside worker j (`ps_nodes`).
-- With workers on several nodes, per-group apply is off (`engine/step.py`
-  `per_group`): each worker applies once all means are in. So upload, sum,
-  download and apply are sequential phases here (the only pipelining is that PS
-  j may sum while later groups are written, which the model does not credit).
+- Each worker applies once all means are in. So upload, sum, download and
+  apply are sequential phases here (the only pipelining is that PS j may sum
+  while later groups are written, which the model does not credit).
 - The driver is in every step: N compute calls, N·(P+1) streamed items, P PS
   calls with N references each, N apply calls. That is the driver-relayed step
-  ("relayed": backup workers, `worker_exchange=False`). The workers' own
+  ("relayed"). The workers' own
   exchange (the default, "workers") takes the driver out of the data path: its
   CPU per step (a + b·N, fitted to benchmarks/results/driver_cost.json) runs
   beside the steps it submits ahead and counts only where it exceeds them; in

@@ -22,15 +22,10 @@ from dsgd import constants
 class Config:
     """What a `DistributedSGD` was asked for (see its docstring for each field).
 
-    Fields beyond the constructor's documented arguments: `apply_per_group`
-    (the driver-relayed exchange only, `worker_exchange=False`: apply each PS
-    group's mean as soon as it arrives, where the optimizers allow it; False:
-    one apply per step) and `local_steps_per_call`
-    (`train()`: steps per actor call), and `worker_exchange` (strategy "ps",
-    several workers: False has the driver relay every group of every step;
-    True, the default, has the workers exchange by themselves, backup workers
-    included), and `overlap` (the workers' exchange: send each bucket during
-    the backward pass). All are performance switches that never change results.
+    Fields beyond the constructor's documented arguments: `local_steps_per_call`
+    (`train()`: steps per actor call) and `overlap` (the workers' exchange:
+    send each bucket during the backward pass): performance switches that
+    never change results (`overlap`: to float32 round-off).
     """
 
     @property
@@ -57,10 +52,8 @@ class Config:
     replace_hung: bool = False
     worker_init: Callable[[], Any] | None = None
     compression: str | None = None
-    apply_per_group: bool = True
     local_steps_per_call: int | None = None
     backup_workers: int = 0
-    worker_exchange: bool = True
     snapshot_interval_s: float | None = constants.DEFAULT_SNAPSHOT_INTERVAL_S
     local: bool = False
     timeline: str | None = None
@@ -108,8 +101,6 @@ class Config:
         check_picklable("model_creator", self.model_creator, "Ray sends it to every worker")
         if self.worker_init is not None:
             check_picklable("worker_init", self.worker_init, "Ray sends it to every worker")
-        _bool("apply_per_group", self.apply_per_group)
-        _bool("worker_exchange", self.worker_exchange)
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise TypeError(f"overlap must be True, False or None (True with gpu), got "
                             f"{self.overlap!r}")

@@ -29,9 +29,6 @@ APPLY_SPLIT_MIN_PENDING = 0.25
 decided in one update and the rest in a second only when the rest is at least
 this share of the gradient's bytes; else it waits and applies once (a second
 update costs a compiled call, and on a CPU it competes with the PS's last sum)."""
-# Seconds a worker waits for a PS mean beyond the driver's own deadline, so that a
-# late PS surfaces as the driver's StepTimeoutError.
-WORKER_WAIT_MARGIN_S = 5.0
 LOCAL_STEPS_PER_CALL = 8
 """`local_steps_per_call=None` (the default): `train()` runs this many steps per
 actor call with one worker (Worker.local_steps), so Ray's cost per call is paid
@@ -121,7 +118,3 @@ DATA_FEEDS_KEPT = 4
 # Trainer.validate: a worker validates its whole share in one call, allowed this many
 # step timeouts.
 VALIDATION_TIMEOUT_STEPS = 10
-
-# Overlapped steps: send each bucket from a sender thread (True) or from the TensorFlow
-# thread that runs its op (False). Measured: benchmarks/README.md "Overlap".
-SEND_THREAD = False

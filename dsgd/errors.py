@@ -59,3 +59,17 @@ class ExchangeAbandoned(DsgdError):
     """(internal) A PS ended an exchange of an attempt the driver abandoned after a
     failure elsewhere (a dead or hung peer): the worker stops its steps, nothing
     of that step applied, and the step is retried in a new attempt."""
+
+
+def picklable_error(error: Exception) -> Exception:
+    """`error` if it survives pickling, else a DsgdError carrying its traceback
+    (the steps reported with it must reach the driver either way)."""
+    import pickle
+    import traceback
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any failure to round-trip
+        text = "".join(traceback.format_exception(error))
+        return DsgdError(f"{type(error).__name__}: {error}\n{text}")

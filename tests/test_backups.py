@@ -104,8 +104,7 @@ def straggler_run():
     with make(straggler_creator()) as sgd:
         stats = [sgd.step(fetch_stats=True) for _ in range(10)]
         weights = assert_replicas_identical(sgd)
-        applies_per_group = sgd.applies_per_group
-    return stats, weights, applies_per_group
+    return stats, weights
 
 
 def test_a_recovery_forgets_the_late_and_the_dead():
@@ -147,22 +146,20 @@ class TestStraggler:
         return straggler_run
 
     def test_contributors_are_n_minus_b_every_step(self, run):
-        stats, _, applies_per_group = run
-        # The workers' own exchange (PS 0 names the contributors) applies whole steps.
-        assert not applies_per_group
+        stats, _ = run
         for s in stats:
             assert len(s["contributors"]) == 2 and s["contributors"] == sorted(s["contributors"])
             assert sorted(s["contributors"] + s["dropped"]) == [0, 1, 2]
 
     def test_the_straggler_does_not_set_the_pace(self, run):
-        stats, _, _ = run
+        stats, _ = run
         # Worker 2 needs SLOW_S for every batch it draws; the steps do not wait for it.
         assert sum(2 in s["contributors"] for s in stats) <= 1
         step_s = sorted(s["step_s"] for s in stats)
         assert step_s[len(step_s) // 2] < SLOW_S / 2, step_s
 
     def test_replay_from_contributor_sets_gives_the_same_weights(self, run):
-        stats, weights, _ = run
+        stats, weights = run
         expected = replay([s["contributors"] for s in stats])
         for a, b in zip(weights, expected):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
@@ -173,7 +170,6 @@ class TestStraggler:
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [
     {"strategy": "simple"},
-    {"worker_exchange": False},  # the driver-relayed "ps" exchange, applying group by group
     {"optimizer": "adam"},
 ])
 def test_simple_strategy_and_whole_step_apply_replay_exactly(options):
@@ -182,8 +178,6 @@ def test_simple_strategy_and_whole_step_apply_replay_exactly(options):
     with make(straggler_creator(slow_s=0.6, optimizer=optimizer), **options) as sgd:
         stats = [sgd.step(fetch_stats=True) for _ in range(6)]
         weights = assert_replicas_identical(sgd)
-        per_group = sgd.applies_per_group
-    assert per_group == (options.get("worker_exchange") is False)
     assert all(len(s["contributors"]) == 2 for s in stats)
     for a, b in zip(weights, replay([s["contributors"] for s in stats], optimizer)):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)

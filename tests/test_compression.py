@@ -16,6 +16,7 @@ from helpers import assert_replicas_identical
 from dsgd.native import _core, dlpack, ops
 from dsgd.errors import NonFiniteError
 from dsgd.comm.sharding import plan_shards
+from helpers import pack
 
 WIRE = {"fp16": np.float16, "bf16": ml_dtypes.bfloat16}
 FORMAT = {"fp16": "f16", "bf16": "bf16"}
@@ -123,7 +124,7 @@ def test_pack_and_unpack_are_the_wire_format(compression):
     shapes, dtypes = [(300,), (5,), (7, 3)], ["float32", "float64", "float32"]
     plan = plan_shards(shapes, dtypes, 256, compression=compression)
     flat = [wide_range(math.prod(s), k).astype(d) for k, (s, d) in enumerate(zip(shapes, dtypes, strict=True))]
-    packed = plan.pack(flat)
+    packed = pack(plan, flat)
     assert [a.dtype for a in packed] == [s.wire_numpy_dtype for s in plan.shards]
     for got, want, shape, dtype in zip(plan.unpack(packed), flat, shapes, dtypes, strict=True):
         assert got.shape == shape and got.dtype == np.dtype(dtype)
@@ -157,7 +158,7 @@ def test_read_op_widens_large_shards_on_several_threads():
     n = 600_000  # 2.4 MB of float32 output: WidenToF32 splits it over threads
     plan = plan_shards([(n,)], ["float32"], 10_000_000, compression="fp16")
     values = wide_range(n, 3)
-    shards = plan.pack([values])
+    shards = pack(plan, [values])
     addresses = tf.constant([dlpack.buffer_address(a) for a in shards], tf.int64)
     sizes = tf.constant([a.nbytes for a in shards], tf.int64)
     out = ops.read_shards(addresses, sizes, plan)[0]

@@ -9,6 +9,7 @@ from dsgd.native import _core
 from dsgd.comm.means import mean_shard
 from dsgd.comm.param_server import ParameterServer
 from dsgd.comm.sharding import plan_shards
+from helpers import pack
 
 SIZES = [1, 17, 1000, _core.MIN_ELEMENTS_PER_THREAD * 2 + 5]
 
@@ -57,12 +58,12 @@ def test_mean_shard_averages_pieces_into_the_shard_layout():
     pieces = [tuple(flat[p.var_index] for p in shard.pieces) for flat in per_worker]
     out = np.full(shard.num_elements, np.nan, np.float32)  # padding must be overwritten with 0
     mean_shard(shard, pieces, out=out)
-    expected = plan.pack([functools.reduce(np.add, [w[v] for w in per_worker]) * np.float32(1 / 3)
+    expected = pack(plan, [functools.reduce(np.add, [w[v] for w in per_worker]) * np.float32(1 / 3)
                           for v in range(3)])[0]
     np.testing.assert_array_equal(out, expected)
 
 
-def test_ps_means_a_group_of_shards_in_one_call():
+def test_ps_means_a_group_of_shards_in_its_scratch_buffers():
     shapes = [(300,), (5,), (200,), (7, 3)]
     plan = plan_shards(shapes, ["float32"] * 4, 1024)  # 4 shards, the 300-vector split
     assert plan.num_shards >= 3
@@ -74,15 +75,15 @@ def test_ps_means_a_group_of_shards_in_one_call():
     sent = [tuple(flat[p.var_index][p.var_offset:p.var_offset + p.length]
                   for s in shards for p in s.pieces) for flat in flats]
     ps = ParameterServer(0)
-    means = ps.mean(shards, *sent)
-    expected = plan.pack([(a + b) * np.float32(0.5) for a, b in zip(*flats, strict=True)])
+    means = ps._means(shards, sent)
+    expected = pack(plan, [(a + b) * np.float32(0.5) for a, b in zip(*flats, strict=True)])
     assert len(means) == 2
     for mean, j in zip(means, group, strict=True):
         np.testing.assert_array_equal(mean, expected[j])
-    again = ps.mean(shards, *sent)  # scratch reused, one buffer per shard of the group
+    again = ps._means(shards, sent)  # scratch reused, one buffer per shard of the group
     assert again[0] is means[0] and again[1] is means[1] and again[0] is not again[1]
     with pytest.raises(ValueError, match="worker 1 sent 1 pieces for a group of 2 shards"):
-        ps.mean(shards, sent[0], sent[1][:1])
+        ps._means(shards, (sent[0], sent[1][:1]))
 
 
 def test_bad_input_is_a_python_error():

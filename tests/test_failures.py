@@ -37,7 +37,7 @@ def test_dead_ps_only_is_replaced_and_the_step_retried():
 
 
 def test_death_found_between_steps_retries_nothing():
-    # recovery.replace_dead_ps: the step was counted, then a worker was found dead.
+    # A driver call between steps (e.g. get_weights) found a worker and a PS dead.
     action = decide(status([(0, True, 5), (1, False, None)], dead_ps=[0], between_steps=True))
     assert action.recover and not action.step_completed
     assert action.state_source == 0 and action.replace_workers == [1] and action.replace_ps == [0]

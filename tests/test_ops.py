@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from dsgd.native import dlpack, ops
 from dsgd.comm.sharding import plan_shards
+from helpers import pack
 
 SHAPE_SETS = [
     [(5, 7), (7,), (7, 3), (3,)],
@@ -43,7 +44,7 @@ def aligned_empty(n, dtype, misalign_bytes=0):
 def test_round_trip_is_bit_exact(dtype, shapes, shard_bytes):
     plan = plan_shards(shapes, [dtype] * len(shapes), shard_bytes)
     flat = random_flat(shapes, dtype)
-    shards = plan.pack(flat)  # must outlive the outputs: they may alias it
+    shards = pack(plan, flat)  # must outlive the outputs: they may alias it
     outputs = read(shards, plan)
     for out, want, shape in zip(outputs, flat, shapes, strict=True):
         assert tuple(out.shape) == shape and out.dtype == tf.as_dtype(dtype)
@@ -55,7 +56,7 @@ def test_tensor_split_across_shards_and_mixed_dtypes():
     plan = plan_shards(shapes, dtypes, 256)
     assert len(plan.pieces_of(0)) > 1  # split
     flat = [random_flat([s], d, seed=i)[0] for i, (s, d) in enumerate(zip(shapes, dtypes, strict=True))]
-    shards = plan.pack(flat)
+    shards = pack(plan, flat)
     for out, want in zip(read(shards, plan), flat, strict=True):
         np.testing.assert_array_equal(out.numpy().reshape(-1), want)
 
@@ -64,7 +65,7 @@ def test_read_inside_tf_function():
     shapes = [(6, 5), (5,)]
     plan = plan_shards(shapes, ["float32"] * 2, 10_000_000)
     flat = random_flat(shapes, "float32")
-    shards = plan.pack(flat)
+    shards = pack(plan, flat)
 
     @tf.function
     def double(addresses, sizes):
@@ -85,7 +86,7 @@ def test_aligned_whole_variable_is_read_in_place():
     shapes, plan = whole_variable_plan()
     flat = random_flat(shapes, "float32")
     shard = aligned_empty(plan.shards[0].num_elements, np.float32)
-    shard[:] = plan.pack(flat)[0]
+    shard[:] = pack(plan, flat)[0]
     shard.flags.writeable = False
     outputs = read([shard], plan)
     base = dlpack.buffer_address(shard)
@@ -99,7 +100,7 @@ def test_misaligned_memory_is_copied_not_wrapped():
     shapes, plan = whole_variable_plan()
     flat = random_flat(shapes, "float32")
     shard = aligned_empty(plan.shards[0].num_elements, np.float32, misalign_bytes=4)
-    shard[:] = plan.pack(flat)[0]
+    shard[:] = pack(plan, flat)[0]
     assert dlpack.buffer_address(shard) % 64 == 4
     outputs = read([shard], plan)
     base, end = dlpack.buffer_address(shard), dlpack.buffer_address(shard) + shard.nbytes
@@ -116,7 +117,7 @@ def test_object_store_buffer_is_read_in_place():
 
     shapes, plan = whole_variable_plan()
     flat = random_flat(shapes, "float32")
-    stored = ray.get(ray.put(plan.pack(flat)[0]))  # a read-only view of shared memory
+    stored = ray.get(ray.put(pack(plan, flat)[0]))  # a read-only view of shared memory
     assert not stored.flags.writeable and dlpack.buffer_address(stored) % 64 == 0
     outputs = read([stored], plan)
     (_, piece), = plan.pieces_of(1)
@@ -133,7 +134,7 @@ def test_tensor_view_shares_the_tensors_memory():
 
 def test_bad_input_is_a_python_error():
     shapes, plan = whole_variable_plan()
-    shards = plan.pack(random_flat(shapes, "float32"))
+    shards = pack(plan, random_flat(shapes, "float32"))
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"shard 0 holds \d+ bytes but the plan expects"):
         read([shards[0].astype(np.float64)], plan)  # wrong dtype
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"shard 0 holds \d+ bytes"):

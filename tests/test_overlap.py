@@ -371,28 +371,6 @@ def test_one_worker_applying_in_two_updates_and_one_at_once_stay_bit_identical(s
 
 @pytest.mark.cluster
 @pytest.mark.usefixtures("ray_local")
-def test_each_bucket_its_own_update_stays_bit_identical(shared):
-    """Worker 0 applies each bucket in its own update as its mean arrives
-    (Worker.apply_each_bucket), worker 1 the step at once (no bucket in at the
-    decision): the replicas agree bit for bit after every step."""
-    sgd, reset, _ = shared
-    reset()
-    sgd.foreach_worker(_ready_says(0))
-    sgd.foreach_worker(lambda w: setattr(w, "apply_each_bucket", w.worker_index == 0))
-    try:
-        for _ in range(STEPS):
-            sgd.step()
-            assert_replicas_identical(sgd)
-        applies = sgd.foreach_worker(lambda w: w.applies)
-        buckets = len(sgd.foreach_worker(lambda w: w._buckets.groups)[0])
-    finally:
-        sgd.foreach_worker(lambda w: setattr(w, "apply_each_bucket", False))
-        sgd.foreach_worker(unpatch)
-    assert applies == [{"whole": 0, "part": buckets * STEPS}, {"whole": STEPS, "part": 0}]
-
-
-@pytest.mark.cluster
-@pytest.mark.usefixtures("ray_local")
 @pytest.mark.parametrize("data", ["get_batch", "dataset"])
 def test_a_ps_dead_after_the_step_is_decided_the_workers_average_its_bucket(shared, data):
     """The PS of the last bucket dies as step 3's last bucket leaves: every worker

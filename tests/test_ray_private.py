@@ -10,6 +10,7 @@ import ray
 
 import dsgd
 from dsgd import ray_private
+import helpers as store_usage
 
 
 @pytest.mark.cluster
@@ -40,7 +41,7 @@ def test_object_store_stats_count_a_stored_object():
     # Objects of earlier tests on the shared cluster may be freed between `before` and
     # `during` (CI saw 3 -> 2 objects with ours put): try again then; ours must count.
     for _ in range(5):
-        before = dsgd.comm.store.settled_usage()
+        before = store_usage.settled_usage()
         ref = ray.put(np.ones(2**20, np.uint8))  # 1 MiB: above the inline limit, in the store
         during = ray_private.object_store_stats()
         counted = (during["num_objects"] >= before["num_objects"] + 1
@@ -49,7 +50,7 @@ def test_object_store_stats_count_a_stored_object():
         if counted:
             break
     assert counted, (before, during)
-    after = dsgd.comm.store.drained_usage(baseline=before)
+    after = store_usage.drained_usage(baseline=before)
     # Ours is gone; objects of earlier tests that Ray frees meanwhile may be too.
     assert after["num_objects"] <= before["num_objects"]
     assert after["bytes_used"] < before["bytes_used"] + 2**20

@@ -102,7 +102,7 @@ def test_a_dead_ps_is_an_error_naming_it():
     from dsgd.train import exchange
 
     ps = rendezvous_ps(0, 5.0)
-    ray.get(ps.ready.remote(), timeout=60)
+    ray.get(ps.ready.remote(), timeout=180)  # (its start is not what is tested)
     ray.kill(ps)
     # ray.kill is asynchronous: a call made right after it may still run (CI saw the
     # broadcast answer once). Wait until the actor is gone.
@@ -137,6 +137,9 @@ def two_ps():
     """2 PS actors for the exchange tests, and each rank's client of them
     (exchanges go on numbering across tests, as steps of one run do)."""
     ps = [rendezvous_ps(j, 30.0) for j in range(2)]
+    # Started before the tests' 30 s exchange deadlines count: a PS process's start
+    # is not what they measure (on a loaded 2-core machine it took over 30 s).
+    ray.get([p.ready.remote() for p in ps], timeout=180)
     names = ["ps-a", "ps-b"]
     yield ps, names, [PSClient(ps, names, r, 2, 30.0, "dsgd.train") for r in range(2)]
     for handle in ps:

@@ -7,6 +7,7 @@ import pytest
 import tiny
 from dsgd.worker.replicas import Replicas
 from dsgd.comm.sharding import plan_shards
+from helpers import pack
 
 
 @pytest.mark.parametrize("shard_bytes", [64, 100, 10_000_000])
@@ -29,7 +30,7 @@ def test_compute_then_apply_matches_a_plain_step(shard_bytes):
     with tf.GradientTape() as tape:
         loss = tiny.mse(reference, x, y)
     grads = tape.gradient(loss, reference.trainable_variables)
-    expected = plan.pack([g.numpy().reshape(-1) for g in grads])
+    expected = pack(plan, [g.numpy().reshape(-1) for g in grads])
     assert len(pieces) == len(expected) == plan.num_shards
     for shard, got, want in zip(plan.shards, pieces, expected, strict=True):
         assert len(got) == len(shard.pieces)
@@ -53,6 +54,6 @@ def test_apply_rejects_wrong_shard_count():
     plan = replicas.plan
     with pytest.raises(DsgdError, match=f"got 1 shards, the plan has {plan.num_shards}"):
         replicas.apply([np.zeros(16, np.float32)])
-    good = plan.pack([np.zeros(int(np.prod(s)), np.float32) for s in plan.shapes])
+    good = pack(plan, [np.zeros(int(np.prod(s)), np.float32) for s in plan.shapes])
     with pytest.raises(DsgdError, match="shard 0 must be a 1-D contiguous float32 array, got float64"):
         replicas.apply([good[0].astype(np.float64)] + good[1:])

@@ -10,6 +10,7 @@ import ray
 
 import dsgd
 from dsgd.comm import store
+import helpers as store_usage
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("ray_local")]
 
@@ -52,7 +53,7 @@ def train_many_steps(sgd, baseline, kill_at=(), steps=STEPS, kept_per_worker_dea
     objects_per_step = (sgd.num_workers + 1) * len(sgd.shard_groups)
     for _ in range(10):
         sgd.step()
-    after_10 = store.drained_usage(baseline=baseline)
+    after_10 = store_usage.drained_usage(baseline=baseline)
     peak = 0
     for i in range(steps - 10):
         if i in kill_at:
@@ -60,8 +61,8 @@ def train_many_steps(sgd, baseline, kill_at=(), steps=STEPS, kept_per_worker_dea
             os.kill(ray.get(victim.ping.remote(), timeout=60)["pid"], signal.SIGKILL)
         sgd.step()
         if i % 10 == 9:
-            peak = max(peak, store.usage()["num_objects"])
-    after_all = store.drained_usage(baseline=baseline)
+            peak = max(peak, store_usage.usage()["num_objects"])
+    after_all = store_usage.drained_usage(baseline=baseline)
     assert sgd.steps_done == steps
     # While training, only the last few steps' objects are in the store (Ray frees
     # in batches, a few steps behind); a leak would hold ~STEPS steps' ...
@@ -86,7 +87,7 @@ def train_many_steps(sgd, baseline, kill_at=(), steps=STEPS, kept_per_worker_dea
 
 def check_ps_store_usage(kill_at=(), steps=STEPS):
     """Also: every worker and PS actor warmed its store mapping, replacements too."""
-    baseline = store.settled_usage()
+    baseline = store_usage.settled_usage()
     with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy="ps", grad_shard_bytes=140_000,
                              step_timeout_s=120) as sgd:
         assert sgd.plan.num_shards == 4 and all(s.nbytes > 100_000 for s in sgd.plan.shards)
@@ -121,7 +122,7 @@ def test_ps_store_usage_is_flat_over_160_steps_with_failures_in_between():
 # "simple" passes whole gradients through the driver.
 @pytest.mark.slow
 def test_simple_store_usage_is_flat_over_160_steps():
-    baseline = store.settled_usage()
+    baseline = store_usage.settled_usage()
     with dsgd.DistributedSGD(MidModel, 2, 1, gpu=False, strategy="simple") as sgd:
         train_many_steps(sgd, baseline)
 

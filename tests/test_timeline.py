@@ -176,21 +176,18 @@ def test_one_worker_records_its_steps(tmp_path):
 @pytest.mark.slow  # its own 2-worker instance each (~10 s)
 @pytest.mark.cluster
 @pytest.mark.usefixtures("ray_local")
-@pytest.mark.parametrize("options", [{"worker_exchange": False}, {"strategy": "simple"}])
-def test_the_driver_relayed_exchanges_record_every_process(tmp_path, options):
-    """worker_exchange=False (the driver relays every group to its PS) and
-    strategy="simple" (the driver averages): each worker's data, compute,
-    group writes and apply; each PS's sums; the driver's steps and relays."""
-    path = str(tmp_path / "relayed.json")
+def test_the_driver_side_reference_records_every_process(tmp_path):
+    """strategy="simple" (the driver averages): each worker's data, compute,
+    group writes and apply; the driver's steps and its average of each group."""
+    path = str(tmp_path / "simple.json")
     with dsgd.DistributedSGD(lambda w, d: tiny.StepKeyedModel(w, d, 1, 4), 2, 1, gpu=False,
-                             grad_shard_bytes=128, num_ps=2, timeline=path, **options) as sgd:
+                             grad_shard_bytes=128, num_ps=2, timeline=path,
+                             strategy="simple") as sgd:
         summary = sgd.train(STEPS)
         groups = len(sgd._topology.groups)
     assert summary["steps"] == STEPS and groups >= 2
     rows = _by_process(json.load(open(path))["traceEvents"])
-    relayed = options.get("strategy") != "simple"
-    assert {"driver", "worker 0", "worker 1"} | ({"PS 0", "PS 1"} if relayed else set()) \
-        <= set(rows)
+    assert {"driver", "worker 0", "worker 1"} <= set(rows)
     for w in ("worker 0", "worker 1"):
         spans = rows[w]
         for name in ("data", "compute", "forward", "backward"):
@@ -202,15 +199,9 @@ def test_the_driver_relayed_exchanges_record_every_process(tmp_path, options):
             compute = next(e for e in spans if e["name"] == "compute"
                            and e["args"]["step"] == write["args"]["step"])
             assert compute["ts"] + compute["dur"] <= write["ts"] + 1
-        # Applied whole (one "apply" per step) or group by group (apply_per_group).
+        # Applied whole: one "apply" per step.
         applied = {e["args"]["step"]: groups for e in spans if e["name"] == "apply"}
-        for e in spans:
-            if e["tid"] == "apply":
-                applied[e["args"]["step"]] = applied.get(e["args"]["step"], 0) + 1
         assert applied == {s: groups for s in range(1, STEPS + 1)}, applied
-    if relayed:
-        assert sum(len([e for e in rows[p] if e["name"] == "sum group"])
-                   for p in ("PS 0", "PS 1")) == groups * STEPS
     driver = rows["driver"]
     assert len([e for e in driver if e["tid"] == "calls"]) == STEPS
     assert len([e for e in driver if e["tid"] == "relay"]) == groups * STEPS

@@ -95,8 +95,6 @@ def peer_args(description: str, argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--strategy", choices=["simple", "ps"], default="ps", help="dsgd only")
     p.add_argument("--compression", choices=["fp16", "bf16"], default=None, help="dsgd ps only")
-    p.add_argument("--relayed", action="store_true",
-                   help="dsgd ps only: the driver relays every group (worker_exchange=False)")
     p.add_argument("--worker-index", type=int, default=None, help="internal: a launched worker process")
     p.add_argument("--cluster", default=None, help="internal: JSON cluster spec for launched processes")
     return p.parse_args(argv)

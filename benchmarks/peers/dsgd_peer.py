@@ -37,8 +37,7 @@ def main(argv=None):
 
     compression = args.compression if args.num_workers > 1 else None  # 1 worker: no exchange
     with dsgd.DistributedSGD(creator, args.num_workers, 1, gpu=False, strategy=args.strategy,
-                             compression=compression,
-                             worker_exchange=not args.relayed) as sgd:
+                             compression=compression) as sgd:
         grad_bytes = sum(s.nbytes for s in sgd.plan.shards)
         stats = []
 

@@ -7,8 +7,8 @@ batch and worker counts, in one run: one JSON file and one PNG chart.
 
 With `--rounds R` the whole list runs R times, interleaved (peer A, B, C, A, B, C, ...),
 and `medians` gives each peer's median images/s over the rounds and its ratio to dsgd "ps".
-`dsgd_ps_relayed` is the engine's step with the driver relaying every group
-(`worker_exchange=False`, the step before the workers' own exchange).
+(Rows of `dsgd_ps_relayed` in past result files are of the driver-relayed exchange,
+`worker_exchange=False`, since retired from dsgd.)
 
 Every peer runs in fresh processes (`python benchmarks/peers/<peer>.py ...`), one at a
 time, each with a timeout. Horovod is optional (`bash benchmarks/peers/setup_horovod.sh`);
@@ -36,8 +36,6 @@ PEERS = {  # name: (label, script, extra args, synchronous)
     "plain_tf": ("plain TF, 1 process (ceiling)", "plain_tf.py", [], True),
     "dsgd_simple": ("dsgd simple", "dsgd_peer.py", ["--strategy", "simple"], True),
     "dsgd_ps": ("dsgd ps", "dsgd_peer.py", ["--strategy", "ps"], True),
-    "dsgd_ps_relayed": ("dsgd ps, driver-relayed (before)", "dsgd_peer.py",
-                        ["--strategy", "ps", "--relayed"], True),
     "dsgd_ps_fp16": ("dsgd ps, fp16 compression", "dsgd_peer.py",
                      ["--strategy", "ps", "--compression", "fp16"], True),
     "dsgd_ps_bf16": ("dsgd ps, bf16 compression", "dsgd_peer.py",

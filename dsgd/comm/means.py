@@ -17,9 +17,10 @@ _HALF_FORMATS = {"float16": "f16", "bfloat16": "bf16"}
 
 
 def group_means(shards, worker_groups, scale: float | None = None) -> tuple:
-    """The mean over workers of each shard of a group, as new arrays: what a PS's
-    `mean` returns, computed where no PS is (strategy "simple", a fallen PS,
-    the Ray Train exchange). `worker_groups` as `ParameterServer.mean` takes them.
+    """The mean over workers of each shard of a group, as new arrays: what a PS
+    sums (`ParameterServer.reduce`), computed where no PS is (strategy "simple",
+    a fallen PS). `worker_groups`: every worker's tuple of the group's pieces
+    (those of `shards[0]`, then those of `shards[1]`, ...).
     `scale` replaces the mean's 1/workers (1.0: the sum)."""
     return tuple(mean_shard(s, p, scale=scale)
                  for s, p in zip(shards, split_group(shards, worker_groups)))

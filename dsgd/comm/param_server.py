@@ -96,15 +96,6 @@ class ParameterServer:
 
         return {"pid": os.getpid(), "pending": len(self._pending)}
 
-    def mean(self, shards: tuple[Shard, ...], *worker_groups: tuple[np.ndarray, ...]) -> tuple:
-        """Mean over every worker of a group of shards. Each worker's group arrives
-        as one tuple: the pieces of `shards[0]`, then those of `shards[1]`, ...
-        (read-only object-store views; read, never kept). Returns a tuple with
-        one buffer per shard, laid out as the shard says, padding zeroed; Ray
-        writes the tuple into one object."""
-        with timeline.recorder().span("sum group", "sum", workers=len(worker_groups)):
-            return self._means(shards, worker_groups)
-
     def _means(self, shards, worker_groups, scale: float | None = None) -> tuple:
         """The group's means (or `scale`d sums) in this PS's scratch buffers, valid
         until the next call: the caller hands them to Ray (which copies them into

@@ -5,8 +5,7 @@ Every front-end whose workers exchange by themselves holds one `PSClient` per
 worker: the engine's workers (dsgd/worker/worker.py `exchange_steps`), the Ray
 Train backend (dsgd/train/exchange.py) and the Trainer's custom epochs
 (dsgd/trainer/custom.py). The driver's few PS calls (giving up an attempt, stall
-reports, the relayed exchange of `worker_exchange=False`, backup workers' `gone`,
-the timeline) are the functions at the end. A client numbers its exchanges (one
+reports, backup workers' `gone`, the timeline) are the functions at the end. A client numbers its exchanges (one
 counter from a base; every worker makes the same calls in the same order, so
 the PS matches them by number), puts each group of gradient pieces in the
 object store once, calls its PS, waits with a deadline, and reads the mean.
@@ -32,7 +31,7 @@ import numpy as np
 
 from dsgd.comm import timeline
 from dsgd.comm.sharding import ExchangeLayout, to_wire
-from dsgd.comm.waits import actor_died_errors
+from dsgd.comm.waits import actor_died_errors, dead_owners
 from dsgd.errors import StepTimeoutError
 
 # While waiting, how often the client looks at its peers (seconds).
@@ -241,7 +240,7 @@ class PSClient:
         try:
             return ray.get(list(refs), timeout=max(1.0, self.timeout_s))
         except actor_died_errors() as e:
-            dead = _dead(refs, owners)
+            dead = dead_owners(refs, owners)
             who = ", ".join(self.names[j] for j in dead) or "a PS actor"
             raise died(f"{self.what} {label}: PS actor {who} died ({type(e).__name__})",
                        ps=dead) from None
@@ -312,7 +311,6 @@ class Sending:
         # worker that dies is the driver's to replace, not this step's).
         self.chosen: tuple[int, ...] | None = None
         self._means: dict = {}  # group -> its mean, read ahead by `collect`
-        self._later: list = []  # the futures of `send_later`
         self._lock = threading.Lock()
 
     def send(self, g: int, part: tuple | None) -> None:
@@ -335,32 +333,6 @@ class Sending:
         if tl.on:
             tl.add(f"send group {g}" if part is not None else f"join group {g}", "send",
                    start, time.time(), ps=ps, exchange=self.seq & _STEP_BITS)
-
-    def send_later(self, g: int, part: tuple) -> None:
-        """`send`, from this process's sender thread (`_sender`): returns at once,
-        so the TensorFlow thread that calls it (the bucket's op in the compiled
-        step) is free for the rest of the backward pass. `part`'s arrays must
-        stay valid until sent: numpy views of TensorFlow tensors do (each holds
-        its tensor). Sent in the order called; `flush` waits for them."""
-        self._later.append(_sender().submit(self.send, g, part))
-
-    def flush(self, raising: bool = True) -> None:
-        """Wait for every `send_later` of this step; raises the first one's error
-        (`raising`), or StepTimeoutError if they are not all sent within the
-        client's `timeout_s` (each send puts and calls without waiting for its
-        PS: only a store that never frees room holds one that long). Blocks."""
-        from concurrent.futures import wait
-
-        later, self._later = self._later, []
-        _, unsent = wait(later, timeout=self.client.timeout_s)
-        if unsent and raising:
-            raise StepTimeoutError(f"{self.client.what} {self.label}: {len(unsent)} bucket(s) "
-                                   f"not sent after {self.client.timeout_s:.1f} s (the object "
-                                   "store full?)")
-        errors = [f.exception() for f in later if f.done()]
-        first = next((e for e in errors if e is not None), None)
-        if first is not None and raising:
-            raise first
 
     def send_rest(self) -> None:
         """Send every group not sent yet with no gradient (this worker's step
@@ -520,21 +492,6 @@ class Sending:
         return group_means(self.layout.shards(g), parts)
 
 
-_SENDER = None
-_SENDER_LOCK = threading.Lock()
-
-
-def _sender():
-    """This process's one sender thread (`Sending.send_later`), made at first use."""
-    global _SENDER
-    with _SENDER_LOCK:
-        if _SENDER is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _SENDER = ThreadPoolExecutor(1, thread_name_prefix="dsgd-send")
-        return _SENDER
-
-
 def died(what: str, ps: Sequence[int] = ()) -> Exception:
     """An actor of the exchange died: Ray's `ActorDiedError` with `what` as a note
     (the driver's policy recovers from it as from any death) and the dead PS
@@ -545,31 +502,6 @@ def died(what: str, ps: Sequence[int] = ()) -> Exception:
     error.add_note(what)
     error.dead_ps = list(ps)
     return error
-
-
-def _dead(refs: list, owners: list[int]) -> list[int]:
-    """The owners (PS indices) whose refs failed because their actor died, each once."""
-    import ray
-
-    dead = []
-    for ref, owner in zip(refs, owners):
-        try:
-            ray.get(ref, timeout=0.1)
-        except actor_died_errors():
-            if owner not in dead:
-                dead.append(owner)
-        except Exception:  # noqa: BLE001 - only the dead ones are named
-            pass
-    return dead
-
-
-def relayed_mean(ps, shards, refs: Sequence):
-    """(driver side, the relayed exchange of `worker_exchange=False`: dsgd/engine/step.py
-    `ExchangeStep`) PS `ps`'s mean of the shard group `shards` over the
-    contributors' group objects `refs` (one ObjectRef per contributor, resolved
-    by Ray into read-only store views on the PS). Does not wait; returns the
-    ref of the result (a tuple, one array per shard)."""
-    return ps.mean.remote(shards, *refs)
 
 
 def abandon(ps: Sequence, attempt: int) -> list:

@@ -114,19 +114,8 @@ class ShardPlan:
                  if p.var_index == var_index]
         return sorted(found, key=lambda jp: jp[1].var_offset)
 
-    def pack(self, flat_arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """numpy reference of a shard buffer's layout (padding zeroed)."""
-        shards = []
-        for s in self.shards:
-            out = np.zeros(s.num_elements, s.wire_numpy_dtype)
-            for p in s.pieces:
-                out[p.shard_offset:p.shard_offset + p.length] = to_wire(
-                    flat_arrays[p.var_index][p.var_offset:p.var_offset + p.length], s.dtype)
-            shards.append(out)
-        return shards
-
     def unpack(self, shards: Sequence[np.ndarray], copy: bool = True) -> list[np.ndarray]:
-        """Each variable's values from shard buffers (as `pack` or a PS writes them),
+        """Each variable's values from shard buffers (as a PS writes them),
         in the variable's own dtype (16-bit wire values widened). With
         `copy=False`, a variable that sits whole in one shard of its own dtype
         comes back as a view of that buffer (which it keeps alive); the others

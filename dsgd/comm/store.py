@@ -1,59 +1,7 @@
-"""Object-store accounting: how much of Ray's shared-memory store is in use.
-
-Used by the leak tests and benchmarks. It reads the raylets' memory stats
-(what `ray memory --stats-only` prints), a private Ray API: see dsgd/ray_private.py.
-"""
+"""This process's mapping of Ray's shared-memory object store: warming it, and how
+much a run should warm."""
 
 from __future__ import annotations
-
-
-def usage(timeout_s: float = 30.0) -> dict:
-    """{"bytes_used": int, "num_objects": int} summed over the cluster's object
-    stores (primary copies and secondary copies alike). Blocks for one RPC."""
-    from dsgd import ray_private
-
-    return ray_private.object_store_stats(timeout_s)
-
-
-def drained_usage(timeout_s: float = 60.0, interval_s: float = 0.1,
-                  baseline: dict | None = None) -> dict:
-    """`usage()` once the store has drained down to `baseline`'s object count
-    (default: empty), or the last reading after `timeout_s`.
-
-    Ray frees objects asynchronously: right after a step, that step's shards are
-    typically still in the store for a moment (benchmarks/design_measurements.md).
-    When nothing holds a reference, the store must drain back to what it held
-    before (objects of others, e.g. blocks Ray Data keeps for a dataset); a store
-    that does not is leaking."""
-    import gc
-    import time
-
-    target = (baseline or {}).get("num_objects", 0)
-    gc.collect()  # drop unreachable ObjectRefs held in reference cycles
-    deadline = time.monotonic() + timeout_s
-    reading = usage()
-    while reading["num_objects"] > target and time.monotonic() < deadline:
-        time.sleep(interval_s)
-        reading = usage()
-    return reading
-
-
-def settled_usage(timeout_s: float = 30.0, interval_s: float = 0.5) -> dict:
-    """`usage()` once two readings `interval_s` apart agree (objects others were
-    freeing are gone): the baseline a leak check compares against."""
-    import gc
-    import time
-
-    gc.collect()
-    deadline = time.monotonic() + timeout_s
-    reading = usage()
-    while time.monotonic() < deadline:
-        time.sleep(interval_s)
-        again = usage()
-        if again == reading:
-            return again
-        reading = again
-    return reading
 
 
 # madvise(2) advice (Linux >= 5.14): fault in every page of a range, writable,

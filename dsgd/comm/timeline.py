@@ -17,9 +17,8 @@ row per kind of work:
   sent to the last mean read), `apply`; "send": each group's `put + send`;
 - PS, "sum": each group's sum over the workers (`sum group`), with the step's
   exchange number;
-- driver, "calls": each call of steps it started and read back; on the
-  driver-relayed steps (worker_exchange=False, strategy "simple") "relay":
-  each group's mean started (or, under "simple", made) once every worker wrote
+- driver, "calls": each call of steps it started and read back; under
+  strategy "simple" "relay": each group's mean, made once every worker wrote
   it, whose writes are the workers' `write group g` on their "send" row.
 
 Off by default. When off, `recorder()` is `OFF`, whose methods do nothing:

@@ -153,7 +153,6 @@ class StepLoop:
                     self._drain(pending, entry)
                     raise error
                 done += 1
-                pending = self._replace_fallen_ps(result, pending)
                 yield result
             if failure is not None:
                 # The workers stopped at a failed exchange, the steps before it counted:
@@ -441,16 +440,3 @@ class StepLoop:
             return ""
         return (" With compression='fp16' this includes a mean gradient beyond float16's range "
                 "(|g| >= 65520 rounds to Inf): use compression='bf16' (float32's range), or none.")
-
-    # -- failures --------------------------------------------------------------------------
-    def _replace_fallen_ps(self, result: StepResult, pending):
-        """After a step the workers completed by computing a dead PS's means
-        themselves (already counted): replace that PS now. If a worker was found
-        dead too and replaced, the unit ahead went to the old workers: it is
-        dropped (returns None) and submitted again."""
-        fallen = sorted({g for a in result.applied for g in a.get("ps_fallback", ())})
-        if not fallen:
-            return pending
-        workers = self.actors.workers
-        self.recovery.replace_dead_ps(fallen)
-        return pending if self.actors.workers == workers else None

@@ -57,8 +57,7 @@ class Recovery:
         self._said: dict[str, int] = {}
         self._repeats: dict[str, int] = {}
 
-    def recover(self, error: BaseException, between_steps: bool = False,
-                call: str | None = None) -> bool:
+    def recover(self, error: BaseException, call: str | None = None) -> bool:
         """Carry out what failures.decide says after `error` (`_recover_once`).
         Returns True if the interrupted step had been applied (do not retry it).
 
@@ -80,7 +79,7 @@ class Recovery:
             self._back_off()
             before = {s: self.actors.worker(s) for s in self.actors.slots}
             try:
-                completed = self._recover_once(error, between_steps, call, interrupted)
+                completed = self._recover_once(error, call, interrupted)
             except (*actor_died_errors(), StepTimeoutError) as again:
                 if again is error:
                     raise  # nothing died (or the hang is not ours to recover): as it came
@@ -92,7 +91,7 @@ class Recovery:
                     handle = self.actors.worker(slot)
                     if before.get(slot) is not handle:
                         self.actors.kill(handle)  # started by the interrupted pass
-                step = self.progress.steps_done + (0 if between_steps or call else 1)
+                step = self.progress.steps_done + (0 if call else 1)
                 self._say(f"{call or f'step {step}'}: {first_line(again)} while recovering "
                           f"from {type(error).__name__}; recovering again")
                 # (charged by the next pass, once its probe has found what died)
@@ -134,17 +133,15 @@ class Recovery:
         self._repeats.clear()
         logger.warning("%s", message)
 
-    def _recover_once(self, error: BaseException, between_steps: bool = False,
-                      call: str | None = None, interrupted: str | None = None) -> bool:
+    def _recover_once(self, error: BaseException, call: str | None = None,
+                      interrupted: str | None = None) -> bool:
         """Carry out what failures.decide says after `error`. Returns True if the
         interrupted step had been applied (do not retry it). Raises if the policy
-        says the error is not recoverable. between_steps: the failure was found
-        after step `steps_done` was counted and before the next step's applies
-        (logged and recorded as step `steps_done`'s, nothing to retry; a step
-        already submitted to workers that were replaced must be submitted again).
-        call: a driver call outside steps (e.g. "get_weights") that failed and
-        will be run again on the new group (between steps; its state is taken
-        from the first survivor, the call's retry makes the rest agree).
+        says the error is not recoverable. call: a driver call outside steps
+        (e.g. "get_weights") that failed and will be run again on the new group
+        (found between steps: recorded as step `steps_done`'s, nothing to retry;
+        its state is taken from the first survivor, the call's retry makes the
+        rest agree).
         interrupted: `error` was met while recovering from an error of this
         type (said in its failure record). `error` is charged to the budget
         once the policy says it is recovered from.
@@ -160,7 +157,7 @@ class Recovery:
                       f"({first_line(error)})")
             for handle in error.late:
                 self.actors.kill(handle)
-        between_steps = between_steps or call is not None
+        between_steps = call is not None
         probed, dead_ps = self.actors.probe(self.config.step_timeout_s,
                                             kill_hung=self.config.replace_hung)
         workers = [failures.WorkerStatus(slot, info is not None,
@@ -180,7 +177,7 @@ class Recovery:
             self.progress.last_checkpoint is not None or use_snapshot, between_steps, call,
             f"the automatic snapshot of step {snapshot['step']}" if use_snapshot
             else "the last checkpoint",
-            late_behind=self.stragglers.enabled and self.config.worker_exchange))
+            late_behind=self.stragglers.enabled))
         step = steps_done + (0 if between_steps else 1)  # the step it is reported under
         where = call or f"step {step}"
         if not action.recover:
@@ -227,35 +224,6 @@ class Recovery:
             if placeable >= count or time.monotonic() > deadline:
                 return placeable
             time.sleep(0.1)
-
-    def replace_dead_ps(self, groups: list[int]) -> None:
-        """After a step (already counted) that the workers completed by computing
-        the means of shard `groups` themselves (their PS did not answer:
-        Worker.apply_staged): replace the dead PS actors now, as a recovered
-        failure, rather than fail the next step. A worker found dead too goes
-        through the general policy (its state copied from a survivor)."""
-        steps_done = self.progress.steps_done
-        what = (f"step {steps_done}: the PS of shard group(s) {groups} did not answer; "
-                "the workers computed those means themselves")
-        probed, dead_ps = self.actors.probe(self.config.step_timeout_s,
-                                            kill_hung=self.config.replace_hung)
-        if any(info is None for info in probed.values()):
-            self.recover(DsgdError(what), between_steps=True)
-            return
-        if not dead_ps:
-            logger.warning("%s (no PS actor found dead)", what)
-            return
-        start = time.perf_counter()
-        reason = (f"PS actor(s) {', '.join(map(str, dead_ps))} died; the workers computed its "
-                  "means: the step had been applied, not retried")
-        charged = self.progress.charge(
-            {"step": steps_done, "error": "ActorDiedError", "reason": reason},
-            self.config.max_failures, f"step {steps_done}: {failures.describe([], dead_ps)}")
-        self._say(f"{what}: {reason}")
-        for j in dead_ps:
-            self.actors.remove_ps(j)
-        self._add_workers([])
-        self.progress.annotate_failure(charged, recovery_s=time.perf_counter() - start)
 
     def maybe_grow(self) -> None:
         """elastic=True, below the asked-for worker count: start workers for the

@@ -28,7 +28,6 @@ from dsgd.engine.loop import StepLoop
 from dsgd.engine.recovery import Recovery
 from dsgd.engine.resources import resolve_gpu
 from dsgd.engine.state import Progress
-from dsgd.engine.step import per_group
 from dsgd.errors import StepTimeoutError
 from dsgd.model import Model
 from dsgd.native import ops
@@ -127,31 +126,12 @@ class DistributedSGD:
             `breakpoint()` in `model_creator` or `get_loss` stops in this
             terminal; the same driver code path otherwise (dsgd/engine/local.py).
             For debugging: slower, and a worker that raises is not replaced.
-        apply_per_group: (performance switch, never changes results) read
-            only on the driver-relayed exchange (`worker_exchange=False`,
-            strategy "ps", several workers): with several PS groups, every
-            worker on one node and optimizers that allow it
-            (`per_group_blocker` says why not), each worker applies a group's
-            mean as soon as it is in the store (`applies_per_group` says
-            whether it does); False: one apply per step. The workers' own
-            exchange (the default) does not read it: with `overlap` it
-            applies a step in at most two updates as the means arrive (in
-            one where `per_group_blocker` gives a reason), or inside the next
-            step's compiled call when a dataset's step follows in the same
-            call; without `overlap`, in one update once every mean is in.
         local_steps_per_call: (performance switch, never changes results)
             `train()`: steps per actor call with one worker, and per call of
             each worker on the workers' own exchange. None (default): 8 with
             one worker; max(8, 4 x num_workers) on the workers' exchange, so
             that the driver makes one call per 4 steps or fewer whatever the
             number of workers (the progress bar moves in such chunks).
-        worker_exchange: (performance switch, never changes results) strategy
-            "ps" with several workers: True (default) has each worker send its
-            groups to the PS actors and read the means itself, the driver
-            starting calls of one or more steps and reading per-step reports
-            (dsgd/engine/worker_steps.py; with backup workers PS 0 names each
-            step's contributors); False has the driver relay every group of
-            every step (dsgd/engine/step.py `ExchangeStep`), for comparison.
         overlap: (performance switch; results the same to float32 round-off:
             tests/test_overlap.py checks True against False within 1e-5, not
             bit for bit) the workers' exchange (backup workers included):
@@ -165,9 +145,8 @@ class DistributedSGD:
         timeline: a file path: write a Chrome trace of the run there (open it in
             https://ui.perfetto.dev or chrome://tracing): per worker each step's
             data, compute, exchange and apply and each group's send, per PS each
-            group's sum, and the driver's calls (and, on the driver-relayed
-            steps of worker_exchange=False or strategy "simple", its relay of
-            each group). Written after each `train()` and at `shutdown()`, or
+            group's sum, and the driver's calls (and, under strategy
+            "simple", its average of each group). Written after each `train()` and at `shutdown()`, or
             when `write_timeline()` is called. None (default): the
             `DSGD_TIMELINE` environment variable if set, else no timeline (and
             no cost). See dsgd/comm/timeline.py.
@@ -220,9 +199,7 @@ class DistributedSGD:
                  max_failures: int = constants.DEFAULT_MAX_FAILURES, elastic: bool = False,
                  replace_hung: bool = False, worker_init: Callable[[], Any] | None = None,
                  compression: str | None = None, backup_workers: int = 0,
-                 local: bool = False, apply_per_group: bool = True,
-                 local_steps_per_call: int | None = None,
-                 worker_exchange: bool = True,
+                 local: bool = False, local_steps_per_call: int | None = None,
                  snapshot_interval_s: float | None = constants.DEFAULT_SNAPSHOT_INTERVAL_S,
                  timeline: str | None = None, overlap: bool | None = None):
         self.config = Config(
@@ -231,9 +208,9 @@ class DistributedSGD:
             step_timeout_s=step_timeout_s, start_timeout_s=start_timeout_s,
             stall_warning_s=stall_warning_s, on_nonfinite=on_nonfinite,
             max_failures=max_failures, elastic=elastic, replace_hung=replace_hung,
-            worker_init=worker_init, compression=compression, apply_per_group=apply_per_group,
+            worker_init=worker_init, compression=compression,
             local_steps_per_call=local_steps_per_call, backup_workers=backup_workers, local=local,
-            worker_exchange=worker_exchange, snapshot_interval_s=snapshot_interval_s,
+            snapshot_interval_s=snapshot_interval_s,
             timeline=timeline_file.path_from(timeline), overlap=overlap)
         # Starts Ray if it is not running; gpu=None becomes whether the cluster has GPUs.
         self.config = config = self.config.with_gpu(
@@ -320,14 +297,9 @@ class DistributedSGD:
 
     @property
     def per_group_blocker(self) -> str | None:
-        """Why steps are applied at once rather than PS group by group (None: they
-        are not; see `apply_per_group`)."""
+        """Why an overlapped step is applied in one update rather than in two as
+        its means arrive (None: the optimizers allow two)."""
         return self._topology.per_group_blocker
-
-    @property
-    def applies_per_group(self) -> bool:
-        """Whether steps apply each PS group's mean as it arrives (Worker.apply_staged)."""
-        return per_group(self.config, self._topology, self._actors)
 
     @property
     def workers(self) -> list:

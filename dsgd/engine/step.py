@@ -1,27 +1,24 @@
-"""The units the step loop (dsgd/engine/loop.py) submits to the workers.
+"""The units the step loop (dsgd/engine/loop.py) submits to the workers when the
+workers do not exchange by themselves (dsgd/engine/worker_steps.py does, for
+strategy "ps" with several workers).
 
-`ExchangeStep`: one step of several workers, in phases: `submit` (each worker
-starts `compute`, a streaming generator: its report, then its gradient shard
-groups as they are written), `reports` (the reports), `exchange` (each group's
-mean from its PS actor, or from the driver under "simple", and every worker's
-apply submitted), `finish` (the applies waited for). With strategy "ps" and
-several groups, workers apply each group's mean as soon as it is in the store
-(`Worker.apply_staged`); a mean whose PS died is computed by the workers
-themselves, so the step still completes exactly.
+`ExchangeStep`: one step of strategy "simple", the driver-side reference, in
+phases: `submit` (each worker starts `compute`, a streaming generator: its
+report, then its gradient shard groups as they are written), `reports` (the
+reports), `exchange` (each group gathered and averaged here, every worker's
+apply submitted), `finish` (the applies waited for).
 
 `LocalSteps`: up to `local_steps_per_call` steps of one worker in one call of
 `Worker.local_steps` (no exchange): Ray's cost per call is paid once for all.
 
 Both turn what the workers report into `StepResult`s, one per step.
 """
-
 from __future__ import annotations
 
 import dataclasses
 import time
 
-from dsgd import constants
-from dsgd.comm import ps_client, timeline
+from dsgd.comm import timeline
 from dsgd.comm.means import group_means
 from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
@@ -103,8 +100,8 @@ class ExchangeStep:
                  number: int, stragglers: Stragglers, need: int | None = None,
                  recorder=timeline.OFF):
         self.config, self.actors, self.topology = config, actors, topology
-        # timeline=: the driver's row ("calls": the step; "relay": each group's mean
-        # started once every contributor has written it, or made here under "simple")
+        # timeline=: the driver's row ("calls": the step; "relay": each group's mean,
+        # made here once every contributor has written it)
         self._recorder, self._submitted_at = recorder, time.time()
         self.data, self.label = data, f"step {number}"
         self.stragglers = stragglers
@@ -121,7 +118,6 @@ class ExchangeStep:
         self._extra: dict[int, dict] = {}  # index -> report of a worker dropped on time
         self._apply_refs: list | None = None  # submitted applies, not yet waited for
         self._apply_owners: list = []
-        self._means: list[tuple] = []      # (mean ref, its PS handle) per group ("ps")
         self._dropped_rows: list[tuple] = []  # (slot, rows or None) left out of the mean
 
     def time_left(self) -> float:
@@ -287,47 +283,28 @@ class ExchangeStep:
                 "dead": [self.slots[k] for k in self._dead]}
 
     def exchange(self) -> None:
-        """Each shard group's mean, as soon as every contributor has written the
-        group, then every live worker's apply submitted (Ray runs them in order
-        behind the worker's compute)."""
+        """Each shard group's mean, made here as soon as every contributor has
+        written the group, then every live worker's apply submitted (Ray runs
+        them in order behind the worker's compute)."""
         import ray
 
-        config, topology = self.config, self.topology
+        topology = self.topology
         contributors, streams = self._contributors, self._contributor_streams()
-        mean_refs, grad_refs = [], []
+        mean_refs = []
         for g, shards in enumerate(topology.group_shards):
             waited = time.time() if self._recorder.on else 0.0
             refs = self.actors.next_all(streams, contributors,
                                         f"{self.label}: writing shard group {g}", self.time_left())
-            if config.strategy == "ps":
-                ps = self.actors.ps[topology.ps_of_group(g)]
-                mean_refs.append(ps_client.relayed_mean(ps, shards, refs))
-                grad_refs.append(refs)
-                self._means.append((mean_refs[-1], ps))
-                self._recorder.add(f"relay group {g}", "relay", waited, time.time(),
-                                   ps=topology.ps_of_group(g), workers=len(refs))
-            else:
-                worker_groups = self.actors.wait(refs, contributors, f"{self.label}: gathering "
-                                                 f"shard group {g}", self.time_left())
-                mean_refs.append(ray.put(group_means(shards, worker_groups)))
-                self._recorder.add(f"gather and average group {g}", "relay", waited,
-                                   time.time(), workers=len(refs))
+            worker_groups = self.actors.wait(refs, contributors, f"{self.label}: gathering "
+                                             f"shard group {g}", self.time_left())
+            mean_refs.append(ray.put(group_means(shards, worker_groups)))
+            self._recorder.add(f"gather and average group {g}", "relay", waited,
+                               time.time(), workers=len(refs))
         self._count_dropped()
         dead = set(self._dead)
         appliers = [w for k, w in enumerate(self.workers)
                     if k not in dead and not self.stragglers.is_dead(w)]
-        if per_group(config, topology, self.actors):
-            # Every gradient is in the store by now: a worker applies group g while
-            # the PS actors still sum the groups after it, and can compute a mean
-            # itself if its PS dies. The workers wait a little past the driver, so
-            # that a late PS is the driver's StepTimeoutError, and once they have
-            # begun to apply a step, another step_timeout_s before they give up.
-            refs = [w.apply_staged.remote(
-                topology.groups, mean_refs, grad_refs,
-                self.time_left() + constants.WORKER_WAIT_MARGIN_S, config.step_timeout_s)
-                for w in appliers]
-        else:
-            refs = [w.apply.remote(topology.groups, *mean_refs) for w in appliers]
+        refs = [w.apply.remote(topology.groups, *mean_refs) for w in appliers]
         # Late workers apply behind their compute: nothing waits for them now.
         self._apply_refs, self._apply_owners = [], []
         for w, ref in zip(appliers, refs):
@@ -385,30 +362,9 @@ class ExchangeStep:
 
     def _finish(self) -> list[StepResult]:
         refs, self._apply_refs = self._apply_refs, None
-        owners = self._apply_owners
-        try:
-            applied = self.actors.wait(refs, owners, f"{self.label}: applying", self.time_left())
-        except StepTimeoutError as e:
-            # Workers waiting for a mean are not the hung ones: its PS is.
-            hung_ps = self._unanswered_ps()
-            if not hung_ps:
-                raise
-            raise StepTimeoutError(
-                f"{self.label}: no mean after {self.config.step_timeout_s:.1f} s from "
-                f"{', '.join(sorted(self.actors.name(p) for p in hung_ps))}", hung_ps) from e
+        applied = self.actors.wait(refs, self._apply_owners, f"{self.label}: applying",
+                                   self.time_left())
         return [StepResult(self.reports(), applied, len(self.workers), **self._membership())]
-
-    def _unanswered_ps(self) -> list:
-        """The PS actors of this step whose means are not in the store (each once)."""
-        import ray
-
-        if not self._means:
-            return []
-        refs = [ref for ref, _ in self._means]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        done = {r.hex() for r in ready}
-        hung = {id(ps): ps for ref, ps in self._means if ref.hex() not in done}
-        return list(hung.values())
 
 
 class LocalSteps:
@@ -483,19 +439,5 @@ class LocalSteps:
 
 def workers_exchange(config: Config, num_workers: int) -> bool:
     """Whether steps go through the workers' own exchange (WorkerSteps): strategy
-    "ps", several workers, and `worker_exchange` (backup workers too)."""
-    return config.worker_exchange and config.strategy == "ps" and num_workers > 1
-
-
-def per_group(config: Config, topology: Topology, actors: ActorSet) -> bool:
-    """Whether steps apply each PS group's mean as it arrives: the driver-relayed
-    exchange of strategy "ps" (several workers, not `workers_exchange`), more than one group,
-    optimizers that allow it (Replicas.per_group_blocker), every worker on one
-    node, and `apply_per_group`. One node: a worker computes a dead PS's mean
-    from the workers' gradient objects, which outlive their processes there; a
-    lost node takes its workers' objects with it, and survivors that had begun
-    to apply could neither finish nor undo."""
-    return (config.apply_per_group and config.strategy == "ps" and len(topology.groups) > 1
-            and actors.num_workers > 1 and not workers_exchange(config, actors.num_workers)
-            and topology.per_group_blocker is None
-            and len({actors.info(s)["node_id"] for s in actors.slots}) == 1)
+    "ps" and several workers (backup workers too)."""
+    return config.strategy == "ps" and num_workers > 1

@@ -1,0 +1,538 @@
+"""A worker's side of the workers' own exchange (strategy "ps", several
+workers): `join` sets it up, `exchange_steps` runs steps through the PS actors
+(dsgd/comm/ps_client.py), deciding each alike on every worker
+(dsgd/comm/commit.py). A mixin of `Worker` (dsgd/worker/worker.py), which holds
+`replicas`, `worker_index`, `applied_steps` and the data, and whose
+`ApplySchedule` (dsgd/worker/apply_schedule.py) applies each decided step."""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from dsgd.errors import picklable_error
+
+
+class ExchangeSession:
+    """The exchange's state on one worker, made at `join` (see its docstring) and
+    kept across `exchange_steps` calls."""
+
+    def _init_exchange(self) -> None:
+        self._exchange = None  # (PSClient, layout, on_nonfinite) after join()
+        self._buckets = None  # the overlapped exchange's buckets (join)
+        self._dead_ps: list[int] = []  # PS actors found dead by a fallback: replaced next
+        self._late = False  # backup workers: dropped from the last step (exchange_steps)
+        self._recent_metas: dict = {}  # exchange number -> every worker's meta (recent steps)
+        self._sendings: dict = {}  # exchange number -> its Sending (this step's; the last's until
+        # every worker has applied it)
+        self.overlap = False  # send the gradient during the backward pass (join)
+        self.fell_back = 0  # buckets this worker averaged itself (their PS died)
+        self._next_in_call = False  # _exchange_steps: another step follows this one
+        self._metas_kept = 0  # exchange_steps: how many of them to keep at least
+
+    def join(self, rank: int, peers: list, ps: list, ps_names: list[str], layout,
+             timeout_s: float, on_nonfinite: str, need: int | None = None,
+             timeline_on: bool = False, overlap: bool = False) -> None:
+        """Take part in the worker-driven exchange (`exchange_steps`) as worker
+        `rank` of `peers` (every worker's handle, in rank order) through the PS
+        actors `ps` laid out as `layout`. `need` (backup workers): each step's
+        mean is over the first `need` workers to have their gradient (default:
+        all). `timeline_on`: record this worker's steps for the timeline
+        (dsgd/comm/timeline.py). `overlap`: send the gradient during the
+        backward pass (`_overlapped_step`). The driver
+        calls it after start-up and after every change of workers or PS actors."""
+        from dsgd import constants
+        from dsgd.comm import timeline
+        from dsgd.comm.ps_client import PSClient
+        from dsgd.comm.sharding import bucket_layout
+
+        timeline.enable(f"worker {self.worker_index}", timeline_on)
+        self._exchange = (PSClient(ps, ps_names, rank, len(peers), timeout_s,
+                                   f"worker {self.worker_index}", peers=peers, need=need),
+                          layout, on_nonfinite)
+        self._buckets = bucket_layout(layout, constants.BUCKET_MIN_BYTES)
+        self.overlap = overlap
+        self._sendings.clear()
+        self._dead_ps = []
+        self._late = False
+
+    def exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool = False,
+                       reporter: bool = False) -> list[dict] | dict:
+        """Synchronous steps with every other worker, exchanged by this worker
+        itself through the PS actors (`join`): for each step, the gradient,
+        averaged across local replicas, goes to the PS actors group by group with
+        this worker's meta (dsgd/comm/commit.py); every worker reads the same
+        means and metas back, decides the step alike (apply, skip, halt, epoch
+        end) and applies the means before the next step. With `overlap` (`join`)
+        each bucket leaves during the backward pass instead, the metas go to PS
+        0 once the step is computed, and the means are applied as they arrive
+        (`_overlapped_step`). `seqs[i]` numbers step
+        i's exchange (the same on every worker); `datas` None: every step's
+        batches from get_batch.
+
+        Returns one report per step run, as `local_step`'s plus `exchange_s`,
+        `apply_s`, `nonfinite` (every worker's non-finite (slot, replica)) and
+        `decision`; fewer than asked at an epoch's end, after a halting
+        non-finite step, at a step that raised (then a last {"error": e}), or
+        when the exchange failed (a dead or hung peer or PS: a last
+        {"failure": e}; nothing of that step was applied here). After a halt,
+        an error or a failure, later calls of the same `run` return [] at once:
+        steps queued behind it must not run. Blocks; each exchange waits at
+        most the `join` timeout.
+
+        `compact`: when every step asked was applied or skipped, return instead
+        {"compact": n steps, "tally": this worker's figures over them
+        (dsgd/comm/reports.py), "steps": one `step_summary` per step (every
+        worker's totals, from the metas) if `reporter`, else None, "skipped":
+        the positions of the skipped steps}, so that
+        what the driver reads per step does not grow with the workers; any
+        other ending returns the list above.
+
+        Backup workers (`join` with a `need`): each step's contributors are
+        the first `need` workers to have their whole gradient (PS 0 chooses;
+        dsgd/comm/ps_client.py `choose`); the others receive the means without
+        sending. A worker dropped from a step is *late*: before its next step it
+        asks whether that step's contributors are chosen already, and if so it
+        sits the step out (no batch read or drawn, no gradient computed) and
+        only applies the mean, until it has caught up. Its reports say
+        `contributed` / `sat_out`; the reporter's compact answer carries every
+        contributor's tally ("tallies", by slot, from the metas), and each
+        worker's "dropped": [batches, rows] it computed from get_batch and saw
+        dropped."""
+        if run == self._halted_run:
+            return []
+        try:
+            return self._exchange_steps(datas, seqs, run, compact, reporter)
+        finally:
+            # A step decided last in this call, or before one that stopped, and kept for
+            # the next step's compiled call (`_Pending`): applied now, so that what is
+            # read between calls (weights, checkpoints) is every decided step's.
+            self._next_in_call = False
+            self._flush_pending()
+            # This call's last step's parts (kept for a peer's fallback) are not kept
+            # beyond the call, so the store drains between calls; but after a fallback
+            # (a PS died) they are kept until the driver has replaced it (`join`): the
+            # peers may still be averaging that bucket. (A peer that falls back when
+            # this worker had read the mean before the PS died finds them gone; if it
+            # had begun applying it exits, recovered as a death.)
+            if not self._dead_ps:
+                self._sendings.clear()
+
+    def _exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool,
+                        reporter: bool) -> list[dict] | dict:
+        from dsgd.comm.waits import actor_died_errors
+        from dsgd.errors import ExchangeAbandoned, StepTimeoutError
+
+        self._metas_kept = 2 * len(seqs)
+        infos = []
+        if datas is None:
+            datas = [None] * len(seqs)
+        for k, (data, seq) in enumerate(zip(datas, seqs)):
+            # (a step whose batches come from get_batch is applied before it is called:
+            # get_batch may read the model's state, e.g. its optimizer's iteration count)
+            self._next_in_call = k + 1 < len(seqs) and datas[k + 1] is not None
+            try:
+                info = self._exchange_step(data, seq)
+            except (*actor_died_errors(), StepTimeoutError, ExchangeAbandoned) as e:
+                self._halted_run = run
+                # Without its traceback: its frames hold the step's object refs (the
+                # group parts put for the PS), which the returned error would keep.
+                failure = picklable_error(e).with_traceback(None)
+                failure.__context__ = failure.__cause__ = None
+                infos.append({"failure": failure, "abandoned": isinstance(e, ExchangeAbandoned)})
+                break
+            except Exception as e:
+                self._halted_run = run
+                infos.append(self._step_error(e, infos, len(datas), "steps"))
+                break
+            infos.append(info)
+            if info.get("epoch_end"):
+                break
+            if info["decision"] == "halt":
+                self._halted_run = run
+                break
+        backups = self._exchange[0].choosing
+        done = [i for i in infos if i.get("decision") in ("apply", "skip")]
+        end = None
+        if backups and infos and len(done) == len(infos) - 1:
+            end = "epoch_end" if infos[-1].get("epoch_end") else \
+                "halt" if infos[-1].get("decision") == "halt" else None
+        if compact and (len(done) == len(seqs) or end is not None):
+            out = self._compact(done, seqs[:len(done)], reporter, backups)
+            if end is not None:  # (backup workers: the driver reads the reporters only)
+                out["end"] = end
+                if end == "halt":
+                    out["nonfinite"] = infos[-1]["nonfinite"]
+            return out
+        return infos
+
+    def _compact(self, infos: list[dict], seqs: list[int], reporter: bool,
+                 backups: bool = False) -> dict:
+        from dsgd.comm import reports
+
+        tally = reports.worker_tally()
+        for info in infos:
+            if not backups or info["contributed"]:
+                reports.add_step(tally, info)
+        steps = [reports.step_summary([m for m in self._recent_metas[seq] if m is not None],
+                                      info) for seq, info in zip(seqs, infos)] if reporter else None
+        out = {"compact": len(infos), "tally": tally, "steps": steps,
+               "skipped": [i for i, info in enumerate(infos) if info["decision"] == "skip"]}
+        if backups:
+            dropped = [i for i in infos if i.get("dropped_rows") is not None]
+            out["dropped"] = [len(dropped), sum(i["dropped_rows"] for i in dropped)]
+            if reporter:  # every contributor's figures, from the metas (not only this worker's)
+                tallies: dict = {}
+                for seq in seqs:
+                    for m in self._recent_metas[seq]:
+                        if m is not None:
+                            reports.add_step(tallies.setdefault(m["slot"], reports.worker_tally()),
+                                             m["report"])
+                out["tallies"] = tallies
+        return out
+
+    def _exchange_step(self, data, seq: int) -> dict:
+        from dsgd.comm import commit
+
+        client, layout, on_nonfinite = self._exchange
+        if self.overlap:
+            return self._overlapped_step(data, seq)
+        if client.choosing:
+            return self._backup_step(data, seq)
+        start = time.perf_counter()
+        label = f"step {self.applied_steps + 1}"
+        try:
+            batches, samples = self._batches(data)
+            data_s = time.perf_counter() - start
+            self.begin_compute()
+            computed = self.replicas.compute(batches) if batches is not None else None
+        except Exception as e:
+            # Tell the other workers (no gradient, this error) so that they stop now
+            # rather than wait for this worker's gradient until they time out.
+            try:
+                client.step(layout, None, commit.meta(self.worker_index, None, None, e), seq,
+                            label)
+            except Exception:  # noqa: BLE001 - this worker's own error is the one to report
+                pass
+            raise
+        if batches is None:
+            means, metas = client.step(layout, None, commit.meta(self.worker_index, None, None),
+                                       seq, label)
+            commit.decide(metas, on_nonfinite)  # raises unless every worker's epoch ended
+            return {"epoch_end": True}
+        losses, finite, flat_grads, metrics = computed
+        pieces = self.replicas.shard_pieces(flat_grads)
+        finite = finite.numpy().tolist()
+        report = {"losses": losses.numpy().tolist(), "finite": finite,
+                  "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
+                  "samples": samples, "data_s": data_s}
+        sent = time.perf_counter()
+        report["compute_s"] = sent - start
+        mine = {k: report[k] for k in ("losses", "metrics", "samples", "data_s", "compute_s")}
+        means, metas = client.step(layout, pieces, commit.meta(self.worker_index, finite,
+                                                               list(metrics), report=mine),
+                                   seq, label)
+        self._keep_metas(seq, metas)
+        decision = commit.decide(metas, on_nonfinite)
+        exchanged = self._apply_decided(decision, means, report, sent)
+        self._record_step(seq, start, start + data_s, sent, exchanged)
+        return report
+
+    def _overlapped_step(self, data, seq: int) -> dict:
+        """`_exchange_step` with the gradient leaving during the backward pass, in
+        phases: data, compute and send (`_compute_sending`: each bucket of
+        consecutive shards, `bucket_layout`, goes to its PS from inside the
+        compiled step as soon as its gradients exist), arrive (`_arrive`: every
+        worker's meta gathered, or backup workers' contributors chosen), decide
+        and apply (`_decide_and_apply`: alike everywhere, the buckets' means
+        applied as they arrive, each update exactly that of one apply), record.
+        A worker that computes nothing (a late one sitting the step out, or
+        one whose data ended) arrives without compute (`_observe`).
+
+        Backup workers: the buckets leave as they do without them, before the
+        contributors are chosen; each PS keeps every worker's part of its
+        buckets until PS 0 has chosen (`Sending.choose`, instead of gathering
+        every meta) and then sums the contributors' parts only. A late worker
+        whose next step is chosen already sits it out (`_sat_out`)."""
+        from dsgd.comm import commit
+        from dsgd.comm.ps_client import died
+
+        client = self._exchange[0]
+        start = time.perf_counter()
+        label = f"step {self.applied_steps + 1}"
+        if self._dead_ps:  # a PS died last step (its bucket was averaged here): replace it
+            dead = self._dead_ps
+            raise died(f"worker {self.worker_index} {label}: PS actor(s) "
+                       f"{', '.join(client.names[j] for j in dead)} died (the last step's "
+                       "means were made by the workers)", ps=dead)
+        answer = client.decided(seq, label) if client.choosing and self._late else None
+        if answer is not None:
+            return self._sat_out(seq, label, answer, start)
+        sending = client.sending(self._buckets, seq, label)
+        self._sendings[seq] = sending
+        computed, samples, data_s = self._compute_sending(sending, data, start)
+        if computed is None:
+            return self._data_ended(seq, sending, start)
+        losses, finite, metrics, _ = computed
+        finite = finite.numpy().tolist()
+        computed_at = time.perf_counter()
+        report = {"losses": losses.numpy().tolist(), "finite": finite,
+                  "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
+                  "samples": samples, "data_s": data_s, "compute_s": computed_at - start}
+        mine = commit.meta(self.worker_index, finite, list(metrics),
+                           report={k: report[k] for k in ("losses", "metrics", "samples",
+                                                          "data_s", "compute_s")})
+        metas = self._arrive(seq, sending, mine, report, dropped=samples if data is None else None)
+        decision, apply_s = self._decide_and_apply(sending, metas)
+        if decision is None:  # (backup workers: the contributors' data ended, this
+            return {"epoch_end": True}  # worker's not yet)
+        end = time.perf_counter()
+        report.update(exchange_s=end - computed_at - apply_s, apply_s=apply_s,
+                      applied=decision.action == commit.APPLY, decision=decision.action,
+                      nonfinite=list(decision.nonfinite))
+        self._record_step(seq, start, start + data_s, computed_at, end, overlapped=True)
+        return report
+
+    def _compute_sending(self, sending, data, start: float) -> tuple:
+        """Phases data, compute and send: (the compiled step's outputs or None at
+        the end of the data, samples, data_s). A decided step kept for this call
+        (`_Pending`) is applied inside it. On an error every worker is told (no
+        gradient, this error) so that none waits for this one, then it is raised."""
+        from dsgd.comm import commit
+
+        shards, groups = self.replicas.plan.shards, self._buckets.groups
+
+        def send(g: int, arrays: dict) -> None:
+            sending.send(g, tuple(arrays[p.var_index][p.var_offset:p.var_offset + p.length]
+                                  for j in groups[g] for p in shards[j].pieces))
+
+        pending, fused = self._pending, None  # the last step's means, applied in this call
+        try:
+            batches, samples = self._batches(data)
+            data_s = time.perf_counter() - start
+            if batches is None:
+                return None, samples, data_s
+            self.begin_compute()
+            self.replicas.sender = send
+            try:
+                fused = time.perf_counter() if pending is not None else None
+                computed = self.replicas.compute_sending(
+                    groups, batches, pending=None if pending is None else pending.shards)
+            finally:
+                self.replicas.sender = None
+            if fused is not None:
+                self._pending_applied(pending, fused)
+            return computed, samples, data_s
+        except Exception as e:
+            if fused is not None and self._pending is pending:
+                ran = self.replicas.pending_applied
+                if ran is False:  # (the last step's update may have run in part)
+                    self._exit_partly_applied(e, self.applied_steps)
+                if ran:
+                    self._pending_applied(pending, fused)
+                # (else it did not run: exchange_steps applies it on its own, or raises)
+            try:  # no PS or peer waits for this worker's gradient: they stop now
+                sending.send_rest()
+                failed = commit.meta(self.worker_index, None, None, e)
+                sending.choose(failed) if sending.chosen_later else sending.metas(failed)
+            except Exception:  # noqa: BLE001 - this worker's own error is the one to report
+                pass
+            raise
+
+    def _data_ended(self, seq: int, sending, start: float) -> dict:
+        """This worker's data ended: it sends nothing and arrives without compute.
+        Without backup workers the step ends for everyone (commit.decide raises
+        unless every worker's epoch ended); with them the contributors may still
+        have had data, and this worker applies their step (`_observe`)."""
+        from dsgd.comm import commit
+
+        sending.send_rest()
+        ended = commit.meta(self.worker_index, None, None)
+        if not sending.chosen_later:
+            commit.decide(sending.metas(ended), self._exchange[2])
+            return {"epoch_end": True}
+        chosen, metas, contributed = sending.choose(ended)
+        self._late = not contributed
+        return self._observe(seq, sending, chosen, metas, start, sat_out=False)
+
+    def _arrive(self, seq: int, sending, mine: dict, report: dict, dropped: int | None) -> list:
+        """Phase arrive: every contributor's meta, in rank order of the contributors
+        (PS 0 gathers every worker's, or with backup workers names the first
+        `need`). Keeps this step's `Sending` while a peer may still ask for its
+        parts, and the metas for reports. `dropped`: the rows of a get_batch
+        batch, counted as dropped if this worker is not a contributor."""
+        if not sending.chosen_later:
+            metas = sending.metas(mine)
+            # Every worker has applied the last step (each sends its meta only after): no
+            # peer's fallback can ask for its parts any more.
+            self._sendings = {seq: sending}
+            self._keep_metas(seq, metas)
+            return metas
+        chosen, metas, contributed = sending.choose(mine)
+        self._late = not contributed
+        self._keep_metas(seq, self._by_rank(chosen, metas))
+        report.update(contributors=sorted(m["slot"] for m in metas),
+                      contributed=contributed, sat_out=False)
+        if not contributed and dropped is not None:
+            report["dropped_rows"] = dropped  # a get_batch batch computed for nothing
+        # (a worker of the last step's contributors may still be applying it: its
+        # fallback may ask for this worker's parts of it)
+        self._sendings = {k: v for k, v in self._sendings.items() if k >= seq - 1}
+        return metas
+
+    def _decide_and_apply(self, sending, metas: list) -> tuple:
+        """Phases decide and apply: the step decided from the contributors' metas,
+        alike on every worker (dsgd/comm/commit.py), and, if applied, its means
+        applied as they arrive (`_apply_arriving`). Returns (decision, seconds
+        applying); (None, 0.0) when the contributors' data ended."""
+        from dsgd.comm import commit
+
+        decision = commit.decide(metas, self._exchange[2])
+        if decision.action == commit.EPOCH_END:
+            sending.release_means()
+            return None, 0.0
+        apply_s = 0.0
+        if decision.action == commit.APPLY:
+            apply_s = self._apply_arriving(sending, self._buckets)
+            self.applied_steps += 1
+            self._freeze_gc_once()
+        self._applied_from(sending)
+        return decision, apply_s
+
+    def _applied_from(self, sending) -> None:
+        """A step's means are applied (or kept for the next call: `_Pending`): drop
+        the references to them, and note the buckets averaged here because their
+        PS died (the next step stops at its start naming it)."""
+        if self._pending is None or self._pending.sending is not sending:
+            sending.release_means()
+        if sending.fell_back:
+            self.fell_back += len(sending.fell_back)
+            self._dead_ps = sorted({self._buckets.ps_of_group[g] for g in sending.fell_back})
+
+    def _by_rank(self, chosen: list[int], metas: list[dict]) -> list:
+        """The contributors' `metas` (in `chosen` order) at their ranks, None elsewhere."""
+        full: list = [None] * self._exchange[0].world
+        for r, m in zip(chosen, metas):
+            full[r] = m
+        return full
+
+    def _sat_out(self, seq: int, label: str, answer: tuple, start: float) -> dict:
+        """(backup workers, overlapped) This late worker sits step `seq` out: its
+        contributors were chosen already (`answer`: PSClient.decided). Nothing is
+        computed; every bucket is joined without a part and the means applied as
+        they arrive. A step of its own kept for this call (`_Pending`) is applied
+        first, on its own."""
+        client = self._exchange[0]
+        self._flush_pending()
+        chosen, metas, _ = answer
+        sending = client.sending(self._buckets, seq, label)
+        sending.chosen = tuple(chosen)
+        sending.send_rest()  # (not a contributor: each PS drops a part, and needs none)
+        self._sendings[seq] = sending
+        return self._observe(seq, sending, chosen, metas, start, sat_out=True)
+
+    def _observe(self, seq: int, sending, chosen: list[int], metas: list[dict], start: float,
+                 sat_out: bool) -> dict:
+        """(backup workers, overlapped) Arrive without compute: step `seq` without a
+        part of this worker's in its mean (`chosen`: its contributors, `metas`
+        theirs), decided as they do and its means applied as they arrive.
+        `sat_out`: nothing was computed (else this worker's data had ended).
+        Returns the step's report."""
+        from dsgd.comm import commit
+
+        self._sendings = {k: v for k, v in self._sendings.items() if k >= seq - 1}
+        self._keep_metas(seq, self._by_rank(chosen, metas))
+        sent = time.perf_counter()
+        decision, apply_s = self._decide_and_apply(sending, metas)
+        if decision is None:
+            return {"epoch_end": True}
+        end = time.perf_counter()
+        self._record_step(seq, start, sent, sent, end, sat_out=sat_out, overlapped=True)
+        return {"exchange_s": end - sent - apply_s, "apply_s": apply_s,
+                "applied": decision.action == commit.APPLY, "decision": decision.action,
+                "nonfinite": list(decision.nonfinite),
+                "contributors": sorted(m["slot"] for m in metas),
+                "contributed": False, "sat_out": sat_out}
+
+    def _backup_step(self, data, seq: int) -> dict:
+        """`_exchange_step` under backup workers (see `exchange_steps`)."""
+        from dsgd.comm import commit
+
+        client, layout, on_nonfinite = self._exchange
+        start = time.perf_counter()
+        label = f"step {self.applied_steps + 1}"
+        report: dict = {}
+        answer = client.decided(seq, label) if self._late else None
+        pieces, mine = None, None
+        if answer is None:  # on time: compute, then arrive at the choice
+            try:
+                batches, samples = self._batches(data)
+                data_s = time.perf_counter() - start
+                self.begin_compute()
+                computed = self.replicas.compute(batches) if batches is not None else None
+            except Exception as e:
+                try:  # (chosen, it stops the others at once: commit.decide names it)
+                    chosen, _, chosen_me = client.choose(
+                        seq, commit.meta(self.worker_index, None, None, e), label)
+                    if chosen_me:
+                        client.step_of(layout, None, {"slot": self.worker_index}, seq, label,
+                                       chosen)
+                except Exception:  # noqa: BLE001 - this worker's own error is the one to report
+                    pass
+                raise
+            if computed is None:
+                mine = commit.meta(self.worker_index, None, None)
+            else:
+                losses, finite, flat_grads, metrics = computed
+                pieces = self.replicas.shard_pieces(flat_grads)
+                finite = finite.numpy().tolist()
+                report = {"losses": losses.numpy().tolist(), "finite": finite,
+                          "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
+                          "samples": samples, "data_s": data_s,
+                          "compute_s": time.perf_counter() - start}
+                mine = commit.meta(self.worker_index, finite, list(metrics),
+                                   report={k: report[k] for k in ("losses", "metrics", "samples",
+                                                                  "data_s", "compute_s")})
+            answer = client.choose(seq, mine, label)
+        chosen, _, contributed = answer
+        sent = time.perf_counter()
+        means, metas = client.step_of(layout, pieces, mine or {"slot": self.worker_index}, seq,
+                                      label, chosen)
+        self._late = not contributed
+        self._keep_metas(seq, self._by_rank(chosen, metas))
+        decision = commit.decide(metas, on_nonfinite)
+        if decision.action == commit.EPOCH_END:
+            return {"epoch_end": True}
+        exchanged = self._apply_decided(decision, means, report, sent)
+        report.update(contributors=sorted(m["slot"] for m in metas), contributed=contributed,
+                      sat_out=mine is None)
+        # (the wait for PS 0's choice belongs to the exchange)
+        self._record_step(seq, start, start + report.get("data_s", 0.0),
+                          start + report["compute_s"] if "compute_s" in report else sent,
+                          exchanged, sat_out=mine is None)
+        if not contributed and mine is not None and data is None and "samples" in report:
+            report["dropped_rows"] = report["samples"]  # a get_batch batch computed for nothing
+        return report
+
+    @ray.method(concurrency_group="peer")
+    def parts_of(self, seq: int, g: int) -> list:
+        """[this worker's part (an ObjectRef) of bucket `g` of exchange `seq`], or
+        [None] if it no longer holds it: a peer whose PS died averages that
+        bucket itself (`Sending.fallback`). Runs beside `exchange_steps` (its
+        own concurrency group), answering at once."""
+        sending = self._sendings.get(seq)
+        return [None if sending is None else sending.parts[g]]
+
+    def _keep_metas(self, seq: int, metas: list) -> None:
+        """Keep step `seq`'s metas (rank order), at least a whole call's: the
+        reporter summarises its steps from them, recent_reports serves them."""
+        self._recent_metas[seq] = metas
+        while len(self._recent_metas) > max(64, self._metas_kept):
+            del self._recent_metas[next(iter(self._recent_metas))]
+
+    def recent_reports(self, seqs: list[int]) -> dict:
+        """{exchange number: every worker's meta (rank order)} of the recent steps
+        among `seqs` this worker exchanged: the driver rebuilds from them the
+        reports of a worker that died after applying them."""
+        return {seq: self._recent_metas[seq] for seq in seqs if seq in self._recent_metas}
