@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 
+from dsgd.errors import ModelMismatchError
+
 
 class Model:
     """One model replica. dsgd builds one per device by calling
@@ -195,3 +197,58 @@ def _name(variable) -> str:
 def _np_dtype(variable):
     dtype = variable.dtype
     return np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
+
+
+# -- what a replica's methods return, checked (dsgd/worker/replicas.py) --------------
+def optimizer_groups(replica: Model, variables: list, where: str) -> tuple[list, list]:
+    """The replica's optimizers and, for each, the indices (into `variables`) of
+    the variables it updates: `get_optimizer()` may return one optimizer (all
+    variables) or a list matched to `get_variable_groups()`."""
+    optimizer = replica.get_optimizer()
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    groups = replica.get_variable_groups() if len(optimizers) > 1 else [variables]
+    if len(groups) != len(optimizers):
+        raise ModelMismatchError(f"replica ({where}) has {len(optimizers)} optimizers but "
+                                 f"get_variable_groups() gives {len(groups)} variable groups")
+    position = {id(v): k for k, v in enumerate(variables)}
+    indices, used = [], set()
+    for g, group in enumerate(groups):
+        group_indices = []
+        for v in group:
+            if id(v) not in position or id(v) in used:
+                raise ModelMismatchError(f"replica ({where}): variable {_name(v)} of group {g} is "
+                                         "not in get_variables(), or in two groups")
+            used.add(id(v))
+            group_indices.append(position[id(v)])
+        indices.append(group_indices)
+    return optimizers, indices
+
+
+def loss_parts(out, num_objectives: int) -> tuple[list, dict]:
+    """get_loss's result as (one scalar objective per optimizer, {name: float32
+    scalar metric}). It returns a scalar, or a dict whose "loss" is a scalar or
+    one scalar per optimizer, the other entries being scalar metrics."""
+    import tensorflow as tf
+
+    metrics = {}
+    if isinstance(out, dict):
+        if "loss" not in out:
+            raise ValueError(f"get_loss returned a dict without 'loss': keys {sorted(out)}; "
+                             "return a scalar loss, or {'loss': loss, <metric>: scalar, ...}")
+        metrics = {k: tf.cast(tf.convert_to_tensor(v), tf.float32) for k, v in out.items()
+                   if k != "loss"}
+        out = out["loss"]
+    if out is None:
+        raise ValueError("get_loss returned None as the loss: return a scalar tf.Tensor")
+    objectives = list(out) if isinstance(out, (list, tuple)) else [out]
+    if len(objectives) != num_objectives:
+        raise ValueError(f"get_loss returned {len(objectives)} loss(es) for {num_objectives} "
+                         "optimizer(s): return one scalar loss per optimizer")
+    objectives = [tf.convert_to_tensor(o) for o in objectives]
+    named = [("the loss" if len(objectives) == 1 else f"loss {k}", o)
+             for k, o in enumerate(objectives)] + [(f"metric {k!r}", v) for k, v in metrics.items()]
+    for name, value in named:
+        if value.shape.rank != 0:
+            raise ValueError(f"get_loss must return scalars, but {name} has shape {value.shape}: "
+                             "reduce it (e.g. tf.reduce_mean)")
+    return objectives, metrics

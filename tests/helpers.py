@@ -85,23 +85,23 @@ def reset_tiny_steps(model) -> None:
 def unpatch(worker):
     from dsgd.comm import ps_client
 
-    for name, real in getattr(ps_client.Sending, "_real", {}).items():
-        setattr(ps_client.Sending, name, real)
-    ps_client.Sending._real = {}
+    for name, real in getattr(ps_client.StepExchange, "_real", {}).items():
+        setattr(ps_client.StepExchange, name, real)
+    ps_client.StepExchange._real = {}
     for name in ("apply", "apply_stage"):
         worker.replicas.__dict__.pop(name, None)
     worker.__dict__.pop("_flush_pending", None)
 
 
 def kill_ps_before_sending(bucket: int, pid: int):
-    """Patch, in a worker's process, `Sending.send` so that the worker about to
+    """Patch, in a worker's process, `StepExchange.send` so that the worker about to
     send `bucket` of the next step first kills the PS process `pid` (the first
     to get there kills it, the other finds it dead)."""
     def patch(worker):
         from dsgd.comm import ps_client
 
-        real = ps_client.Sending.send
-        ps_client.Sending._real = {"send": real}
+        real = ps_client.StepExchange.send
+        ps_client.StepExchange._real = {"send": real}
         first: list = []
 
         def send(self, g, part):
@@ -117,8 +117,8 @@ def kill_ps_before_sending(bucket: int, pid: int):
                     time.sleep(0.05)
             return real(self, g, part)
 
-        ps_client.Sending.send = send
-        worker.fell_back_before = worker.fell_back
+        ps_client.StepExchange.send = send
+        worker.buckets_averaged_before = worker.buckets_averaged_here
         worker.flushes = []  # at each call's end: whether a decided step was still to apply
         flush = worker._flush_pending
 

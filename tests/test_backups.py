@@ -489,7 +489,7 @@ def test_overlapped_steps_with_a_straggler_replay_exactly():
 def test_overlapped_steps_with_a_dead_ps_average_the_contributors_parts_exactly():
     """overlap=True: the PS of the last bucket dies as a step's last bucket
     leaves; the workers average that bucket themselves from the chosen
-    contributors' parts only (Sending.fallback), the driver replaces the PS,
+    contributors' parts only (StepExchange.fallback), the driver replaces the PS,
     and the weights are still the replay's over the recorded contributors."""
     from helpers import kill_ps_before_sending, unpatch
     import ray
@@ -502,7 +502,7 @@ def test_overlapped_steps_with_a_dead_ps_average_the_contributors_parts_exactly(
             stats += [sgd.step(fetch_stats=True) for _ in range(3)]
         finally:
             sgd.foreach_worker(unpatch)
-        fell_back = sgd.foreach_worker(lambda w: w.fell_back - w.fell_back_before)
+        fell_back = sgd.foreach_worker(lambda w: w.buckets_averaged_here - w.buckets_averaged_before)
         weights = assert_replicas_identical(sgd)
         failures = sgd.failures
     assert len(failures) == 1 and "PS actor(s) 1 died" in failures[0]["reason"], failures

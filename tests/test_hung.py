@@ -1,6 +1,6 @@
 """A hung (SIGSTOP) or dead (SIGKILL) actor in any driver call, not only inside
 steps, is replaced (replace_hung) and the call run again on the new group
-(DistributedSGD._retried, Recovery.recover(call=...)).
+(DriverCalls.retried in dsgd/engine/calls.py, Recovery.recover(call=...)).
 
 Real processes on the local Ray cluster: a SIGSTOPped actor answers nothing, the
 driver's wait times out after step_timeout_s, kills it and starts a replacement

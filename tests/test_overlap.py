@@ -3,7 +3,7 @@ the gradient leaves from inside the compiled step as soon as the backward pass
 has made it (Replicas.compute_sending), the step is decided from every worker's
 meta, and the means are applied as they arrive (Worker._apply_arriving), exactly
 one update; a bucket whose PS died is averaged by the workers themselves from
-each other's parts (Sending.fallback)."""
+each other's parts (StepExchange.fallback)."""
 
 import os
 import time
@@ -82,7 +82,7 @@ def test_buckets_never_exceed_the_ps_threads_whatever_the_shard_sizes():
 
 
 class _Client:
-    """A PSClient stand-in for Sending.read (unit test: no cluster): its wait raises."""
+    """A PSClient stand-in for StepExchange.read (unit test: no cluster): its wait raises."""
 
     rank, world, timeout_s, what, choosing = 0, 2, 1.0, "worker 0", False
 
@@ -96,16 +96,16 @@ class _Client:
 def test_read_leaves_dead_groups_to_mean_and_raises_a_timeout():
     from ray.exceptions import ActorDiedError
 
-    from dsgd.comm.ps_client import Sending
+    from dsgd.comm.ps_client import StepExchange
     from dsgd.errors import StepTimeoutError
 
     plan = plan_shards([(256, 256)] * 4, ["float32"] * 4, 256 * 256 * 4)
     buckets = bucket_layout(exchange_layout(plan, 2), 256 * 256 * 4)
-    dead = Sending(_Client(ActorDiedError()), buckets, 7, "step 1")
+    dead = StepExchange(_Client(ActorDiedError()), buckets, 7, "step 1")
     dead.answers = ["answer"] * len(buckets.groups)
     dead.read(range(len(buckets.groups)))  # a dead PS: nothing read, each group to `mean`
     assert dead._means == {}
-    late = Sending(_Client(StepTimeoutError("PS 1 did not answer")), buckets, 7, "step 1")
+    late = StepExchange(_Client(StepTimeoutError("PS 1 did not answer")), buckets, 7, "step 1")
     late.answers = ["answer"] * len(buckets.groups)
     with pytest.raises(StepTimeoutError, match="PS 1 did not answer"):
         late.read(range(len(buckets.groups)))  # not waited for a second time by `mean`
@@ -148,15 +148,15 @@ def _ready_says(ready):
 
 
 def _ready_patch(ready: int):
-    """Patch, in a worker's process, `Sending.ready_prefix` to say `ready` (how
+    """Patch, in a worker's process, `StepExchange.ready_prefix` to say `ready` (how
     many buckets are in when the step is decided: 1 of 2 applies the step in two
     updates, bucket 1's mean read between them) whatever the timing, and count
     the replicas' applies at once and in parts."""
     def patch(worker):
         from dsgd.comm import ps_client
 
-        ps_client.Sending._real = {"ready_prefix": ps_client.Sending.ready_prefix}
-        ps_client.Sending.ready_prefix = lambda self: ready
+        ps_client.StepExchange._real = {"ready_prefix": ps_client.StepExchange.ready_prefix}
+        ps_client.StepExchange.ready_prefix = lambda self: ready
         worker.applies = {"whole": 0, "part": 0}
         replicas = worker.replicas
         whole, part = replicas.apply, replicas.apply_stage
@@ -402,7 +402,7 @@ def test_a_ps_dead_after_the_step_is_decided_the_workers_average_its_bucket(shar
         flushes = sgd.foreach_worker(lambda w: w.flushes)
     finally:
         sgd.foreach_worker(unpatch)
-    fell_back = sgd.foreach_worker(lambda w: w.fell_back - w.fell_back_before)
+    fell_back = sgd.foreach_worker(lambda w: w.buckets_averaged_here - w.buckets_averaged_before)
     assert fell_back == [1, 1], sgd.failures  # step 3's last bucket, on each worker
     assert len(sgd.failures) == failures + 1, sgd.failures
     assert f"PS actor(s) {ps} died" in sgd.failures[-1]["reason"]

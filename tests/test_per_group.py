@@ -4,7 +4,7 @@ the buckets whose means are in when the step is decided are applied in one updat
 step: the same weights and optimizer state, bit for bit, as one apply, with
 learning-rate schedules, Adam's bias correction, weight decay and several optimizers.
 Optimizers that need every gradient at once (per_group_blocker) apply the step at once
-whatever has arrived. Here each worker's `Sending.ready_prefix` is patched to say 1
+whatever has arrived. Here each worker's `StepExchange.ready_prefix` is patched to say 1
 (two updates: bucket 0, then bucket 1) or 0 (one update) whatever the timing, and the
 replicas' applies are counted, so each test shows which path ran."""
 
@@ -37,15 +37,15 @@ def keyed(w, d):
 
 
 def _ready_patch(ready: int):
-    """Patch, in a worker's process, `Sending.ready_prefix` to say `ready` (how many
+    """Patch, in a worker's process, `StepExchange.ready_prefix` to say `ready` (how many
     buckets are in when the step is decided: 1 of 2 applies the step in two
     updates, bucket 1's mean read between them) whatever the timing, and count the
     replicas' applies at once ("whole") and in parts ("part"). `unpatch` undoes it."""
     def patch(worker):
         from dsgd.comm import ps_client
 
-        ps_client.Sending._real = {"ready_prefix": ps_client.Sending.ready_prefix}
-        ps_client.Sending.ready_prefix = lambda self: ready
+        ps_client.StepExchange._real = {"ready_prefix": ps_client.StepExchange.ready_prefix}
+        ps_client.StepExchange.ready_prefix = lambda self: ready
         worker.applies = {"whole": 0, "part": 0}
         replicas = worker.replicas
         whole, part = replicas.apply, replicas.apply_stage

@@ -2,9 +2,7 @@
 shards, ranks, exact DistributedGradientTape and DistributedOptimizer +
 model.fit, the Result, a SIGKILL restart, and no PS actor left behind."""
 
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -132,46 +130,62 @@ def test_a_missing_rank_times_out_naming_it():
     ray.kill(ps)
 
 
+@ray.remote(num_cpus=0)
+class _Rank:
+    """One rank of the exchange tests: its own process, as a Ray Train worker is
+    (two ranks as threads of one process would deserialize the PS's one result
+    ref twice there, which Ray's reference counting does not always survive:
+    ReferenceCountingAssertionError, ray-project/ray#18751)."""
+
+    def __init__(self, ps, names, rank):
+        from dsgd.train import exchange
+
+        self.exchange, self.ps, self.names, self.rank = exchange, ps, names, rank
+        self.client = PSClient(ps, names, rank, 2, 30.0, "dsgd.train")
+
+    def mean(self, compression, arrays):
+        self.exchange.install(self.ps, self.names, 64, 30.0, compression)
+        self.exchange._CONTEXT["client"] = self.client  # numbering goes on across calls
+        try:
+            return [np.array(m) for m in self.exchange.mean(arrays)]
+        finally:
+            self.exchange._CONTEXT.clear()
+
+    def timeline(self, on: bool) -> list:
+        """Turn this rank's recorder on or off; returns what it recorded."""
+        from dsgd.comm import timeline
+
+        events = timeline.recorder().drain()
+        timeline.enable(f"worker {self.rank}", on)
+        return events
+
+
 @pytest.fixture(scope="module")
 def two_ps():
-    """2 PS actors for the exchange tests, and each rank's client of them
-    (exchanges go on numbering across tests, as steps of one run do)."""
+    """2 PS actors for the exchange tests, and 2 ranks exchanging through them,
+    each in its own process (exchanges go on numbering across tests, as steps of
+    one run do)."""
     ps = [rendezvous_ps(j, 30.0) for j in range(2)]
     # Started before the tests' 30 s exchange deadlines count: a PS process's start
     # is not what they measure (on a loaded 2-core machine it took over 30 s).
     ray.get([p.ready.remote() for p in ps], timeout=180)
     names = ["ps-a", "ps-b"]
-    yield ps, names, [PSClient(ps, names, r, 2, 30.0, "dsgd.train") for r in range(2)]
-    for handle in ps:
+    ranks = [_Rank.remote(ps, names, r) for r in range(2)]
+    yield ps, names, ranks
+    for handle in ps + ranks:
         ray.kill(handle)
 
 
-def exchange_as_two_ranks(two_ps, compression, per_rank, monkeypatch):
-    """`exchange.mean` as Ray Train workers 0 and 1 of 2 would call it, each rank
-    a thread of this process with its own PSClient (the PS actors, their
-    rendezvous and the object store are real): a rank's process would only add a
-    TensorFlow import (~10 s on 2 cores)."""
-    from dsgd.train import exchange
-
-    ps, names, clients = two_ps
-    local = threading.local()
-    exchange.install(ps, names, 64, 30.0, compression)
-    monkeypatch.setattr(exchange, "client", lambda: clients[local.rank])
-
-    def rank(r):
-        local.rank = r
-        return exchange.mean(per_rank[r])
-
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            return list(pool.map(rank, range(2), timeout=120))
-    finally:
-        exchange._CONTEXT.clear()  # this process is no Ray Train worker
+def exchange_as_two_ranks(two_ps, compression, per_rank):
+    """`exchange.mean` as Ray Train workers 0 and 1 of 2 call it (the PS actors,
+    their rendezvous and the object store are real)."""
+    _, _, ranks = two_ps
+    return ray.get([rank.mean.remote(compression, arrays)
+                    for rank, arrays in zip(ranks, per_rank)], timeout=120)
 
 
 @pytest.mark.parametrize("compression", [None, "fp16", "bf16"])
-def test_the_exchange_is_the_engines_plan_groups_and_compression(compression, two_ps,
-                                                                  monkeypatch):
+def test_the_exchange_is_the_engines_plan_groups_and_compression(compression, two_ps):
     """Mean of two ranks' arrays through 2 PS actors in 64-byte shards (so a
     variable is split and the groups span both PS), compressed as asked."""
     import ml_dtypes
@@ -179,7 +193,7 @@ def test_the_exchange_is_the_engines_plan_groups_and_compression(compression, tw
     rng = np.random.default_rng(0)
     shapes = [(3, 5), (40,), (2,)]
     per_rank = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in range(2)]
-    got = exchange_as_two_ranks(two_ps, compression, per_rank, monkeypatch)
+    got = exchange_as_two_ranks(two_ps, compression, per_rank)
     wire = {None: np.float32, "fp16": np.float16, "bf16": ml_dtypes.bfloat16}[compression]
     for a, b, mean0, mean1 in zip(*per_rank, *got, strict=True):
         # Each rank's values rounded to the wire type, summed in float32, the mean rounded once.
@@ -190,28 +204,26 @@ def test_the_exchange_is_the_engines_plan_groups_and_compression(compression, tw
         assert mean0.dtype == np.float32
 
 
-def test_the_exchange_records_the_timeline_when_on(two_ps, monkeypatch):
+def test_the_exchange_records_the_timeline_when_on(two_ps):
     """With the timeline on, a worker records each collective ("allreduce" on its
     "collectives" row, with its size) and each group's send, and each PS each
     group's sum; when off, nothing."""
     import ray
 
-    from dsgd.comm import timeline
     from dsgd.comm.ps_client import enable_timeline
 
-    ps, names, _ = two_ps
+    ps, names, ranks = two_ps
     rng = np.random.default_rng(1)
     per_rank = [[rng.normal(size=(40,)).astype(np.float32)] for _ in range(2)]
-    exchange_as_two_ranks(two_ps, None, per_rank, monkeypatch)
-    assert timeline.recorder().drain() == []  # (off: nothing kept)
+    exchange_as_two_ranks(two_ps, None, per_rank)
+    assert ray.get([r.timeline.remote(True) for r in ranks], timeout=60) == [[], []]  # (off)
     ray.get(enable_timeline(ps, True), timeout=60)
-    timeline.enable("worker")
     try:
-        exchange_as_two_ranks(two_ps, None, per_rank, monkeypatch)
-        mine = timeline.recorder().drain()
+        exchange_as_two_ranks(two_ps, None, per_rank)
+        mine = [e for r in ray.get([r.timeline.remote(False) for r in ranks], timeout=60)
+                for e in r]
         theirs = [e for p in ps for e in ray.get(p.timeline_events.remote(), timeout=60)]
     finally:
-        timeline.enable("worker", False)
         ray.get(enable_timeline(ps, False), timeout=60)
     reduces = [e for e in mine if e.get("name") == "allreduce"]
     assert len(reduces) == 2 and {e["tid"] for e in reduces} == {"collectives"}

@@ -25,10 +25,10 @@ What is simulated (read from the code, `dsgd/worker/worker.py` and
   PS handles the call (c_call), and the last arrival sums (N·S/B_sum + fresh
   pages + the result's put). The worker sends its meta to PS 0 when the backward
   pass ends; while PS 0 gathers the N metas the worker reads the means whose
-  answers are in (`Sending.metas` -> `collect`: one parallel pull, waited for);
+  answers are in (`StepExchange.metas` -> `collect`: one parallel pull, waited for);
   after the decision it reads the ready ones again, applies the ready prefix
   in one update and the rest in a second, each stage's means pulled at once
-  when all its answers are in (`Sending.read`), or everything in one update
+  when all its answers are in (`StepExchange.read`), or everything in one update
   when under `APPLY_SPLIT_MIN_PENDING` is still pending
   (`Worker._apply_arriving`).
   With `prefetch=True` (not what the code does: a proposed change, see
@@ -440,7 +440,7 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
 
     def advance(s: int, u: int) -> None:
         """Worker u's reads and applies, stage by stage: every mean of the stage
-        pulled at once when all its answers are in (Sending.read), then the
+        pulled at once when all its answers are in (StepExchange.read), then the
         stage's update; each step waits for what it needs."""
         st = state[s]
         p, have, now = st["plan"][u], pulled_by(st, u, eng.now), eng.now

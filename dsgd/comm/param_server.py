@@ -181,7 +181,7 @@ class ParameterServer:
         parts this PS kept (`reduce(chosen_later=True)`), are summed over those
         ranks' parts once all are in (here, if they are now); the other ranks'
         parts are dropped now. Exactly one worker settles each (step, PS) pair
-        (`Sending.choose`), so a meeting it makes is always served and ended.
+        (`StepExchange.choose`), so a meeting it makes is always served and ended.
         Does not block (beyond the sum); never raises (nobody reads its answer)."""
         ready = []
         with self._arrivals:

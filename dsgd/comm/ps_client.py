@@ -111,12 +111,12 @@ class PSClient:
         then None. Blocks, at most `timeout_s`."""
         return self._exchange(layout, pieces, seq, None, meta, label)
 
-    def sending(self, layout: ExchangeLayout, seq: int, label: str) -> Sending:
+    def sending(self, layout: ExchangeLayout, seq: int, label: str) -> StepExchange:
         """One engine step's exchange, numbered `seq`, sent group by group while the
-        step is computed (`Sending`: send each group as soon as it exists, then
+        step is computed (`StepExchange`: send each group as soon as it exists, then
         the metas, then read the means as they arrive). `layout`'s groups are
         the buckets of `sharding.bucket_layout`."""
-        return Sending(self, layout, seq, label)
+        return StepExchange(self, layout, seq, label)
 
     # -- backup workers: the first `need` of the workers make a step --------------------------
     def choose(self, seq: int, meta: dict, label: str) -> tuple[list[int], list[dict], bool]:
@@ -277,7 +277,7 @@ class PSClient:
             f"{', '.join(who) or 'unknown'}", late_workers=sorted(missing), late_ps=late_ps)
 
 
-class Sending:
+class StepExchange:
     """One step of the overlapped exchange (`PSClient.sending`), in three parts:
 
     1. `send(g, part)` for each group, from any thread (the worker's compiled
@@ -295,7 +295,7 @@ class Sending:
 
     Buffer ownership: the arrays `mean` returns are read-only views of the
     store object the PS put (kept alive by them); this worker's own part
-    objects stay alive while the `Sending` is kept (the worker keeps it until
+    objects stay alive while the `StepExchange` is kept (the worker keeps it until
     every worker has applied the step: the next step's metas, or the end of
     its call)."""
 
@@ -528,6 +528,24 @@ def timeline_events(actor):
     """(driver side) The ref of a worker's or PS actor's timeline events since the
     last such call (`Recorder.drain`). Does not wait."""
     return actor.timeline_events.remote()
+
+
+def collect_timeline_events(actors: Sequence, timeout_s: float) -> list[dict]:
+    """(driver side) Every actor's timeline events since the last such call, in
+    `actors` order; an actor that does not answer within `timeout_s` (or died)
+    is left out, its events lost with it. Blocks, at most `timeout_s`."""
+    import ray
+
+    refs = [timeline_events(a) for a in actors]
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
+    events: list[dict] = []
+    for ref in refs:
+        if ref in ready:
+            try:
+                events += ray.get(ref, timeout=timeout_s)
+            except Exception:  # noqa: BLE001 - a dead actor's events are lost with it
+                pass
+    return events
 
 
 def waiting(ps: Sequence, timeout_s: float) -> dict[int, set[int]]:

@@ -272,7 +272,7 @@ def exchange_layout(plan: ShardPlan, num_ps: int) -> ExchangeLayout:
 
 
 def bucket_layout(layout: ExchangeLayout, min_bytes: int) -> ExchangeLayout:
-    """The groups of the overlapped exchange (`Sending`): buckets of consecutive
+    """The groups of the overlapped exchange (`StepExchange`): buckets of consecutive
     shards (so of consecutive variables, which the backward pass makes at about
     the same time; the plan packs the last variables first, so bucket 0 is the
     first the backward pass makes), each at least `min_bytes` or the gradient's share of one

@@ -127,3 +127,21 @@ def read(path: str) -> tuple[dict[str, bytes], dict]:
     if ".index" not in files:
         raise CheckpointError(f"checkpoint {path!r} records no .index file")
     return files, meta
+
+
+def meta(config, step: int, num_workers: int, skipped_steps: int, plan,
+         data_position: int | None, extra: dict | None) -> dict:
+    """What a checkpoint's `.dsgd.json` records besides its files: the step, the
+    run's shape and exchange settings, the variables' shapes and dtypes, the
+    data position of the last dataset trained on, and the caller's `extra`."""
+    out = {"step": step, "num_workers": num_workers,
+           "devices_per_worker": config.devices_per_worker, "strategy": config.strategy,
+           "compression": config.compression, "grad_shard_bytes": config.grad_shard_bytes,
+           "all_reduce_alg": config.all_reduce_alg, "on_nonfinite": config.on_nonfinite,
+           "skipped_steps": skipped_steps,
+           "variables": {"shapes": [list(s) for s in plan.shapes], "dtypes": list(plan.dtypes)}}
+    if data_position is not None:
+        out["data_position"] = int(data_position)  # rows of the last dataset
+    if extra is not None:
+        out["extra"] = extra
+    return out

@@ -144,3 +144,54 @@ def _dropped(stragglers) -> tuple[dict, dict]:
     if stragglers is None:
         return {}, {}
     return dict(stragglers.dropped_batches), dict(stragglers.dropped_samples)
+
+
+def epoch_steps(entry: FeedEntry | None, config, num_workers: int, for_model) -> int | None:
+    """Steps of one epoch of `entry`'s data (None: the replicas' get_batch, whose
+    `steps_per_epoch()` `for_model` asks), or None: until the data says its epoch
+    ended. Raises ValueError when neither says how long an epoch is."""
+    if entry is None:
+        steps = for_model(
+            lambda m: m.steps_per_epoch() if hasattr(m, "steps_per_epoch") else None)
+        if steps is None:
+            raise ValueError("train() without a dataset needs num_steps: the replicas' "
+                             "steps_per_epoch() does not say how long one epoch of their "
+                             "own data (get_batch) is")
+    else:
+        # With backup workers every slot keeps its share of each step's rows.
+        steps = entry.feed.steps_per_epoch(config.num_workers if config.backup_workers
+                                           else num_workers)
+        if steps is None:
+            if not entry.feed.reports_epoch_end:
+                raise ValueError("dataset is streaming data of unknown length (a generator "
+                                 "or iterator): pass num_steps")
+            return None
+    if steps < 1:
+        raise ValueError(f"one epoch of {'the dataset' if entry else 'the replicas own data'} "
+                         "is 0 steps (fewer batches than workers/replicas?): pass num_steps")
+    return steps
+
+
+def step_stats(result: StepResult, step_s: float, progress: Progress, config,
+               slots: list[int]) -> dict:
+    """`DistributedSGD.step(fetch_stats=True)`'s dict for one step's `result`
+    (see its docstring), `step_s` its wall time and `slots` the live workers'."""
+    infos = result.infos
+    if result.summary is not None:  # the workers' own exchange: every worker's totals
+        losses, compute_s = [result.summary["loss"]], result.summary["compute_s"]
+    else:
+        losses = [x for info in infos for x in info["losses"]] if infos else [float("nan")]
+        compute_s = max(info["compute_s"] for info in infos) if infos else 0.0
+    apply_s = max(a["apply_s"] for a in result.applied)
+    stats = {"loss": float(np.mean(losses)), "compute_s": compute_s,
+             "exchange_s": max(0.0, step_s - compute_s - apply_s), "apply_s": apply_s,
+             "step_s": step_s, "step": progress.steps_done, "skipped": result.skipped,
+             "skipped_steps": progress.skipped_steps, "num_workers": len(slots),
+             "failures": len(progress.failures)}
+    if config.backup_workers:
+        if result.contributors is not None:
+            stats["contributors"], stats["dropped"] = result.contributors, result.dropped
+        else:  # one live worker (the others dead, being replaced): its own step
+            stats["contributors"] = slots
+            stats["dropped"] = [s for s in range(config.num_workers) if s not in slots]
+    return stats

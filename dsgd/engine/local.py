@@ -32,7 +32,7 @@ class LocalActorClass:
         instance = self.cls(*_resolved(args), **_resolved_kwargs(kwargs))
         replicas = getattr(instance, "replicas", None)
         if replicas is not None:
-            replicas.eager = True
+            replicas.use_eager()
         return LocalActor(instance)
 
 

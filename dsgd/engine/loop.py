@@ -135,36 +135,53 @@ class StepLoop:
             failure = None  # (WorkerSteps gave its attempt up: retries are a new one)
             if results and results[-1].failure is not None:
                 failure, results = results[-1].failure, results[:-1]
-            for result in results:
-                if result.epoch_end:
-                    if entry is not None:
-                        entry.feed.epoch_ended()
-                    yield result
-                    continue
-                if result.error is not None:
-                    self._drain(pending, entry)
-                    raise result.error
-                if result.halted:  # several workers, "raise": nothing of it was applied
-                    self._drain(pending, entry)
-                    raise self._nonfinite_error(self.progress.steps_done + 1,
-                                                result.infos[0]["nonfinite"], applied=False)
-                error = self._count(result, entry)
-                if error is not None:  # one worker, "raise": the step was applied
-                    self._drain(pending, entry)
-                    raise error
-                done += 1
-                yield result
+            done += yield from self._counted(results, pending, entry)
             if failure is not None:
                 # The workers stopped at a failed exchange, the steps before it counted:
                 # recover, then go on from the first step not applied everywhere.
                 pending = None  # its calls stop at once (the same run halted on the failure)
                 run_id = next(self._run_ids)  # ... so the steps after the failure are a new run
-                before = self.progress.steps_done
-                for result in self._recover_from(failure, len(self.actors.workers)):
-                    self._count(result, entry)
-                    done += 1
-                    yield result
-                done -= self._rolled_back(before, entry)
+                done += yield from self._recovered_after(failure, entry)
+
+    def _counted(self, results: list[StepResult], pending, entry: FeedEntry | None
+                 ) -> Iterator[StepResult]:
+        """Count and yield each of `results` (an epoch end is yielded, not
+        counted). A step's error, a halted step and a non-finite step under
+        "raise" are raised once what `pending` has on its way is counted.
+        Returns how many were counted."""
+        counted = 0
+        for result in results:
+            if result.epoch_end:
+                if entry is not None:
+                    entry.feed.epoch_ended()
+                yield result
+                continue
+            if result.error is not None:
+                self._drain(pending, entry)
+                raise result.error
+            if result.halted:  # several workers, "raise": nothing of it was applied
+                self._drain(pending, entry)
+                raise self._nonfinite_error(self.progress.steps_done + 1,
+                                            result.infos[0]["nonfinite"], applied=False)
+            error = self._count(result, entry)
+            if error is not None:  # one worker, "raise": the step was applied
+                self._drain(pending, entry)
+                raise error
+            counted += 1
+            yield result
+        return counted
+
+    def _recovered_after(self, failure: BaseException, entry: FeedEntry | None
+                         ) -> Iterator[StepResult]:
+        """Recover from a failed exchange (`_recover_from`), yielding the steps the
+        survivors had applied past it as counted. Returns how many steps that
+        adds to the run's count (less the steps rolled back to a snapshot)."""
+        before, counted = self.progress.steps_done, 0
+        for result in self._recover_from(failure, len(self.actors.workers)):
+            self._count(result, entry)
+            counted += 1
+            yield result
+        return counted - self._rolled_back(before, entry)
 
     def _recover_from(self, error: BaseException, workers: int) -> list[StepResult]:
         """After a WorkerSteps failure: a hang without replace_hung raises; else the

@@ -18,17 +18,15 @@ import numpy as np
 from dsgd import constants
 from dsgd.comm import ps_client
 from dsgd.comm import timeline as timeline_file
-from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
 from dsgd.engine import checkpoints, feeding, launch
 from dsgd.engine.backups import Stragglers
+from dsgd.engine.calls import DriverCalls
 from dsgd.engine.feeds import Feeds
-from dsgd.engine.failures import recovers_hang
 from dsgd.engine.loop import StepLoop
 from dsgd.engine.recovery import Recovery
 from dsgd.engine.resources import resolve_gpu
 from dsgd.engine.state import Progress
-from dsgd.errors import StepTimeoutError
 from dsgd.model import Model
 from dsgd.native import ops
 from dsgd.worker.worker import Worker
@@ -106,15 +104,11 @@ class DistributedSGD:
             its replicas are built (e.g. to set environment variables or a
             Keras precision policy); it travels pickled.
         compression: None, "fp16" or "bf16" (strategy="ps", 2+ workers): float32
-            gradients travel as 16-bit values (half the bytes through the store
-            and the network). Each worker rounds its local mean gradient to
-            nearest even; the PS sums in float32, scales once and rounds the mean
-            to 16 bits; workers widen it exactly while reading it. fp16 keeps 11
-            significant bits for |g| >= 6.1e-5 (fewer below: subnormal; under
-            3e-8 it rounds to 0) and overflows from 65520 on (a non-finite
-            gradient, handled by `on_nonfinite`); bf16 keeps float32's range
-            with 8 significant bits. One worker exchanges nothing and is not
-            affected.
+            gradients travel as 16-bit values (half the bytes), rounded to
+            nearest even by each worker, summed in float32 by the PS and the
+            mean rounded once; fp16 overflows from 65520 on (a non-finite
+            gradient), bf16 keeps float32's range with 8 significant bits
+            (docs/engine.md "Gradient compression").
         backup_workers: b, with 0 <= b < `num_workers`: each step averages the
             gradients of the first `num_workers - b` workers to report them
             (the same set in every shard) and every worker applies that mean;
@@ -145,22 +139,18 @@ class DistributedSGD:
         timeline: a file path: write a Chrome trace of the run there (open it in
             https://ui.perfetto.dev or chrome://tracing): per worker each step's
             data, compute, exchange and apply and each group's send, per PS each
-            group's sum, and the driver's calls (and, under strategy
-            "simple", its average of each group). Written after each `train()` and at `shutdown()`, or
-            when `write_timeline()` is called. None (default): the
+            group's sum, and the driver's calls. Written after each `train()`,
+            at `shutdown()` and by `write_timeline()`. None (default): the
             `DSGD_TIMELINE` environment variable if set, else no timeline (and
             no cost). See dsgd/comm/timeline.py.
         snapshot_interval_s: seconds between automatic snapshots: between
             steps, with no step in flight, the driver copies worker 0's state
-            (weights, optimizer state, step count; what `save_checkpoint`
-            writes) into its own memory, so that losing every worker at once
-            (a node, a fault during a replacement) restores it rather than
-            fail. Steps since then are run again from a dataset's position
-            (exactly the uninterrupted run's), or, with `get_batch` (which
-            cannot be replayed), counted as lost (`failures[-1]["lost_steps"]`).
-            The first is taken before the first step. A snapshot costs one
-            copy of the state through the object store into the driver (see
-            benchmarks/README.md); a newer checkpoint is preferred. None: no
+            (what `save_checkpoint` writes) into its own memory, so that losing
+            every worker at once restores it rather than fail. Steps since then
+            are run again from a dataset's position (exactly the uninterrupted
+            run's), or, with `get_batch`, counted as lost
+            (`failures[-1]["lost_steps"]`). The first is taken before the first
+            step; each costs one copy of the state into the driver. None: no
             snapshot (every worker lost then needs a checkpoint).
 
     Raises:
@@ -185,7 +175,7 @@ class DistributedSGD:
     """
 
     __slots__ = ("config", "on_workers_changed", "_actors", "_topology", "_progress",
-                 "_feeds", "_recovery", "_loop", "_timeline_events", "_finalizer",
+                 "_feeds", "_calls", "_recovery", "_loop", "_finalizer",
                  "__weakref__")
 
     def __init__(self, model_creator: Callable[[int, int], Model], num_workers: int,
@@ -229,18 +219,17 @@ class DistributedSGD:
         self._progress = Progress()
         self._feeds = Feeds(constants.DATA_FEEDS_KEPT)
         self._actors, self._topology = launcher.start()  # (shuts its actors down on error)
+        self._calls = DriverCalls(config, self._actors, self._progress)
         self._recovery = Recovery(config, launcher, self._progress,
                                   self.restore_checkpoint, self.on_workers_changed,
                                   Stragglers(config.backup_workers, config.step_timeout_s,
-                                             config.replace_hung), self._restore_snapshot)
+                                             config.replace_hung), self._calls.restore_snapshot)
+        self._calls.recovery = self._recovery
         self._loop = StepLoop(config, self._actors, self._topology, self._progress,
-                              self._recovery, self._take_snapshot)
-        # timeline=: this driver's events and those collected from the actors so far.
-        self._timeline_events: list[dict] = []
+                              self._recovery, self._calls.take_snapshot)
         if config.timeline is not None:
             self._loop.timeline = timeline_file.Recorder("driver")
 
-    # -- state, read-only --------------------------------------------------------
     @property
     def num_workers(self) -> int:
         """Workers now (fewer than asked for while an elastic run is shrunk)."""
@@ -327,10 +316,9 @@ class DistributedSGD:
     def ps_info(self) -> list[dict]:
         """What each PS actor reports (its node), in PS order. Blocks for one
         call per PS, at most `step_timeout_s`."""
-        return self._retried("ps_info", lambda _: (
+        return self._calls.retried("ps_info", lambda _: (
             [p.ready.remote() for p in self.ps_actors], self.ps_actors))
 
-    # -- steps ------------------------------------------------------------------
     def step(self, fetch_stats: bool = False) -> dict | None:
         """Run one synchronous step on every replica, each on the batch of its
         own `get_batch()`.
@@ -369,27 +357,8 @@ class DistributedSGD:
         result = next(iter(self._loop.run(None, 1)))
         if not fetch_stats:
             return None
-        step_s = time.perf_counter() - start
-        infos = result.infos
-        if result.summary is not None:  # the workers' own exchange: every worker's totals
-            losses, compute_s = [result.summary["loss"]], result.summary["compute_s"]
-        else:
-            losses = [x for info in infos for x in info["losses"]] if infos else [float("nan")]
-            compute_s = max(info["compute_s"] for info in infos) if infos else 0.0
-        apply_s = max(a["apply_s"] for a in result.applied)
-        stats = {"loss": float(np.mean(losses)), "compute_s": compute_s,
-                 "exchange_s": max(0.0, step_s - compute_s - apply_s), "apply_s": apply_s,
-                 "step_s": step_s, "step": self.steps_done, "skipped": result.skipped,
-                 "skipped_steps": self.skipped_steps, "num_workers": self.num_workers,
-                 "failures": len(self.failures)}
-        if self.config.backup_workers:
-            if result.contributors is not None:
-                stats["contributors"], stats["dropped"] = result.contributors, result.dropped
-            else:  # one live worker (the others dead, being replaced): its own step
-                stats["contributors"] = sorted(self._actors.slots)
-                stats["dropped"] = [s for s in range(self.config.num_workers)
-                                    if s not in stats["contributors"]]
-        return stats
+        return feeding.step_stats(result, time.perf_counter() - start, self._progress,
+                                  self.config, sorted(self._actors.slots))
 
     def train(self, num_steps: int | None = None, dataset=None, *, desc: str = "train") -> dict:
         """Run many steps, each replica's `get_loss(batch)` getting its batch from
@@ -427,9 +396,9 @@ class DistributedSGD:
         if dataset is not None:
             entry, dropped = self._feeds.entry(dataset, self.devices_per_worker)
             for key in dropped:
-                self._call_all("detach_data", key)
+                self._calls.call_all("detach_data", key)
         if num_steps is None:
-            num_steps = self._epoch_steps(entry)
+            num_steps = feeding.epoch_steps(entry, self.config, self.num_workers, self.for_model)
         elif isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) \
                 or num_steps < 1:
             raise ValueError(f"num_steps must be a positive int or None (one epoch), got "
@@ -443,30 +412,6 @@ class DistributedSGD:
             self.write_timeline()
         return summary
 
-    def _epoch_steps(self, entry) -> int | None:
-        """Steps of one epoch, or None: until the data says its epoch ended."""
-        if entry is None:
-            steps = self.for_model(
-                lambda m: m.steps_per_epoch() if hasattr(m, "steps_per_epoch") else None)
-            if steps is None:
-                raise ValueError("train() without a dataset needs num_steps: the replicas' "
-                                 "steps_per_epoch() does not say how long one epoch of their "
-                                 "own data (get_batch) is")
-        else:
-            # With backup workers every slot keeps its share of each step's rows.
-            steps = entry.feed.steps_per_epoch(self.config.num_workers if self.config.backup_workers
-                                               else self.num_workers)
-            if steps is None:
-                if not entry.feed.reports_epoch_end:
-                    raise ValueError("dataset is streaming data of unknown length (a generator "
-                                     "or iterator): pass num_steps")
-                return None
-        if steps < 1:
-            raise ValueError(f"one epoch of {'the dataset' if entry else 'the replicas own data'} "
-                             "is 0 steps (fewer batches than workers/replicas?): pass num_steps")
-        return steps
-
-    # -- the rest of the API ------------------------------------------------------
     def foreach_worker(self, fn: Callable[[Worker], Any]) -> list:
         """Run `fn(worker)` on every worker actor, in the worker's process.
 
@@ -477,14 +422,14 @@ class DistributedSGD:
 
         Args:
             fn: travels pickled; gets the worker object (its replicas are
-                `worker.replicas.replicas`).
+                `worker.models()`).
 
         Returns:
             What `fn` returned on each worker, in worker order, as Ray
                 deserialises it (arrays may be read-only views of the object
                 store).
         """
-        return self._call_all("foreach_worker", fn)
+        return self._calls.call_all("foreach_worker", fn)
 
     def foreach_model(self, fn: Callable[[Model], Any]) -> list:
         """Run `fn(replica)` on every replica (`dsgd.Model`), in its worker's
@@ -497,7 +442,7 @@ class DistributedSGD:
             What `fn` returned, one entry per replica, worker-major (worker 0's
                 replicas first).
         """
-        return [x for per_worker in self._call_all("foreach_model", fn) for x in per_worker]
+        return [x for per_worker in self._calls.call_all("foreach_model", fn) for x in per_worker]
 
     def for_model(self, fn: Callable[[Model], Any]) -> Any:
         """Run `fn(replica)` on worker 0's replica 0 and return its result.
@@ -505,20 +450,7 @@ class DistributedSGD:
         Blocks, at most `step_timeout_s`; retried once on the new worker 0
         after a replacement, like `foreach_worker`.
         """
-        return self._retried("for_model", lambda w: ([w[0].foreach_model.remote(fn)], w[:1]))[0][0]
-
-    def _late_by_index(self, error: StepTimeoutError, workers: list) -> StepTimeoutError:
-        """A StepTimeoutError raised in a worker names who did not arrive by worker
-        position and PS index (handles do not travel): the same error with the
-        driver's handles in `late`, so that recovery kills and replaces them."""
-        cause = getattr(error, "cause", error)  # a RayTaskError carries the worker's error
-        if getattr(error, "late", None) or not (getattr(cause, "late_workers", None)
-                                                or getattr(cause, "late_ps", None)):
-            return error
-        ps = self._actors.ps
-        late = [workers[i] for i in cause.late_workers if i < len(workers)]
-        late += [ps[j] for j in cause.late_ps if j < len(ps) and ps[j] is not None]
-        return StepTimeoutError(str(cause), late)
+        return self._calls.first("for_model", "foreach_model", fn)[0]
 
     def run_on_workers(self, fn: Callable[..., Any], per_worker: list, *args,
                        timeout_s: float | None = None, what: str = "run_on_workers") -> list:
@@ -543,11 +475,7 @@ class DistributedSGD:
         Returns:
             What `fn` returned on each worker, in worker order.
         """
-        def submit(workers):
-            args_list = per_worker() if callable(per_worker) else per_worker
-            return [w.run.remote(fn, a, *args) for w, a in zip(workers, args_list)], workers
-
-        return self._retried(what, submit, timeout_s)
+        return self._calls.run_each(fn, per_worker, args, timeout_s, what)
 
     def get_weights(self) -> list[np.ndarray]:
         """Worker 0 / replica 0's trainable weights (every replica holds the same).
@@ -560,7 +488,7 @@ class DistributedSGD:
                 views of the object store (each keeps its object alive); copy
                 (`np.array(w)`) before writing to them.
         """
-        return self._retried("get_weights", lambda w: ([w[0].get_weights.remote()], w[:1]))[0]
+        return self._calls.first("get_weights", "get_weights")
 
     def set_weights(self, weights: list[np.ndarray]) -> None:
         """Set the trainable weights of every replica.
@@ -578,7 +506,7 @@ class DistributedSGD:
         import ray
 
         ref = ray.put(list(weights))
-        self._retried("set_weights", lambda ws: ([w.set_weights.remote(ref) for w in ws], ws))
+        self._calls.retried("set_weights", lambda ws: ([w.set_weights.remote(ref) for w in ws], ws))
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """Write weights, optimizer state, step count and configuration as the
@@ -598,60 +526,12 @@ class DistributedSGD:
         Returns:
             `path`.
         """
-        config = self.config
-        steps = self.steps_done
-        files = self._retried("save_checkpoint",
-                              lambda w: ([w[0].save_checkpoint.remote(steps)], w[:1]))[0]
-        meta = {"step": self.steps_done, "num_workers": self.num_workers,
-                "devices_per_worker": config.devices_per_worker, "strategy": config.strategy,
-                "compression": config.compression, "grad_shard_bytes": config.grad_shard_bytes,
-                "all_reduce_alg": config.all_reduce_alg, "on_nonfinite": config.on_nonfinite,
-                "skipped_steps": self.skipped_steps,
-                "variables": {"shapes": [list(s) for s in self.plan.shapes],
-                              "dtypes": list(self.plan.dtypes)}}
-        if self._feeds.position is not None:
-            meta["data_position"] = int(self._feeds.position)  # rows of the last dataset
-        if extra is not None:
-            meta["extra"] = extra
+        files = self._calls.first("save_checkpoint", "save_checkpoint", self.steps_done)
+        meta = checkpoints.meta(self.config, self.steps_done, self.num_workers, self.skipped_steps,
+                                self.plan, self._feeds.position, extra)
         checkpoints.write(path, files, meta)
         self._progress.saved(path, self.steps_done)
         return path
-
-    def _take_snapshot(self, entry) -> None:
-        """(the loop, between steps with none in flight) The automatic snapshot:
-        worker 0's checkpoint files copied into the driver's memory, with the
-        step count and the data position of the feed of `entry` (a FeedEntry;
-        None: get_batch). A worker found dead here is left for the next step
-        to recover."""
-        start = time.perf_counter()
-        steps = self.steps_done
-        worker = self._actors.workers[0]
-        try:
-            files = self._wait([worker.save_checkpoint.remote(steps)], [worker],
-                               "taking the automatic snapshot")[0]
-        except (*actor_died_errors(), StepTimeoutError) as e:
-            logger.debug("no snapshot at step %d: %s", steps, e)
-            return
-        self._progress.snapshot = {
-            "files": files, "step": steps,
-            "feed": entry.feed if entry is not None else None,
-            "feed_key": entry.key if entry is not None else None,
-            "data_position": entry.feed.position if entry is not None else None,
-            "bytes": sum(len(b) for b in files.values()),
-            "cost_s": time.perf_counter() - start}
-        logger.debug("snapshot of step %d: %d bytes in %.3f s", steps,
-                     self._progress.snapshot["bytes"], self._progress.snapshot["cost_s"])
-
-    def _restore_snapshot(self) -> None:
-        """(recovery, every worker lost) Every replica takes the automatic snapshot;
-        the dataset it was taken on goes back to its position then."""
-        import ray
-
-        snapshot = self._progress.snapshot
-        steps = self._call_all("restore_checkpoint", ray.put(snapshot["files"]))
-        self._progress.restored(None, int(steps[0]))
-        if snapshot["data_position"] is not None:
-            snapshot["feed"].seek(int(snapshot["data_position"]))
 
     def restore_checkpoint(self, path: str) -> dict | None:
         """Load a checkpoint written by `save_checkpoint` (by any number of
@@ -676,7 +556,7 @@ class DistributedSGD:
         import ray
 
         files, meta = checkpoints.read(path)
-        steps = self._call_all("restore_checkpoint", ray.put(files))  # retried after a loss
+        steps = self._calls.call_all("restore_checkpoint", ray.put(files))  # retried after a loss
         self._progress.restored(path, int(steps[0]))
         if "data_position" in meta:
             self._feeds.seek(int(meta["data_position"]))
@@ -687,21 +567,13 @@ class DistributedSGD:
         last call and (re)write the trace file with every event so far. Blocks,
         at most `step_timeout_s` (actors that do not answer are left out).
         Returns the file's path, or None without a timeline."""
-        import ray
-
         path = self.config.timeline
         if path is None:
             return None
-        self._timeline_events += self._loop.timeline.drain()
-        actors = list(self._actors.workers) + self.ps_actors
-        refs = [ps_client.timeline_events(a) for a in actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.step_timeout_s)
-        for ref in ready:
-            try:
-                self._timeline_events += ray.get(ref)
-            except Exception:  # noqa: BLE001 - a dead actor's events are lost with it
-                pass
-        timeline_file.write(path, self._timeline_events)
+        self._calls.timeline_events += self._loop.timeline.drain()
+        self._calls.timeline_events += ps_client.collect_timeline_events(
+            list(self._actors.workers) + self.ps_actors, self.config.step_timeout_s)
+        timeline_file.write(path, self._calls.timeline_events)
         return path
 
     def shutdown(self) -> None:
@@ -726,35 +598,3 @@ class DistributedSGD:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-    # -- waits ------------------------------------------------------------------------
-    def _wait(self, refs: list, owners: list, what: str, timeout_s: float | None = None) -> list:
-        return self._actors.wait(refs, owners, what, timeout_s or self.config.step_timeout_s)
-
-    def _call_all(self, method: str, *args) -> list:
-        """Worker method `method(*args)` on every worker, retried once after a loss."""
-        return self._retried(method, lambda ws: ([getattr(w, method).remote(*args) for w in ws], ws))
-
-    def _retried(self, what: str, submit: Callable[[list], tuple[list, list]],
-                 timeout_s: float | None = None) -> list:
-        """A driver call outside steps: `submit(workers)` sends it (returns the refs
-        and the actor that answers each), then the answers are waited for (at
-        most `timeout_s`, default step_timeout_s). If an actor died meanwhile,
-        or did not answer (StepTimeoutError) and `replace_hung` is on, the
-        failure policy replaces it between steps (state copied from a
-        survivor; dsgd/engine/recovery.py) and the call is sent once more to
-        the new group. A second failure, or one the policy does not recover
-        from, raises. Blocks."""
-        for attempt in (0, 1):
-            self._actors.check_open(what)
-            refs, owners = submit(self.workers)
-            try:
-                return self._wait(refs, owners, what, timeout_s)
-            except (*actor_died_errors(), StepTimeoutError) as e:
-                hung = isinstance(e, StepTimeoutError)
-                if hung:
-                    e = self._late_by_index(e, owners)
-                if attempt or (hung and not recovers_hang(self.config.replace_hung, e.late)):
-                    raise
-                self._recovery.recover(e, call=what)
-        raise AssertionError("unreachable")

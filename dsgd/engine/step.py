@@ -114,6 +114,7 @@ class ExchangeStep:
         self._chosen: list[int] = []       # indices (sorted) of the contributors
         self._late: list[int] = []         # indices still computing when they were chosen
         self._dead: list[int] = []         # indices found dead while computing
+        self._died_error: BaseException | None = None  # the last such death's error
         self._infos: list[dict] | None = None
         self._extra: dict[int, dict] = {}  # index -> report of a worker dropped on time
         self._apply_refs: list | None = None  # submitted applies, not yet waited for
@@ -254,9 +255,8 @@ class ExchangeStep:
                 f"{self.label}: fewer than {self.need} workers could compute the step in "
                 f"{self.config.step_timeout_s:.1f} s; late: "
                 f"{', '.join(sorted(self.actors.name(w) for w in late))}", late)
-        error = getattr(self, "_died_error", None)
-        if error is not None:
-            return error
+        if self._died_error is not None:
+            return self._died_error
         return DsgdError(f"{self.label}: fewer than {self.need} workers can compute the step")
 
     def result(self, **flags) -> StepResult:

@@ -10,12 +10,12 @@ runs in Ray Train's workers and exchanges through dsgd's sharded PS actors
 from dsgd.train.collectives import (Adasum, Average, Compression, Max, Min, Product, Sum,
                                     allgather, allgather_object, allreduce, broadcast,
                                     broadcast_object, broadcast_object_fn, broadcast_variables,
-                                    ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
-                                    global_process_set, gloo_built, gloo_enabled,
-                                    grouped_allgather, grouped_allreduce, init, is_homogeneous,
-                                    is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                                    mpi_threads_supported, nccl_built, rank, rocm_built, shutdown,
-                                    size)
+                                    cross_rank, cross_size, global_process_set, grouped_allgather,
+                                    grouped_allreduce, init, is_homogeneous, is_initialized,
+                                    local_rank, local_size, rank, shutdown, size)
+from dsgd.train.introspection import (ccl_built, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                                      mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
+                                      rocm_built)
 from dsgd.train.config import DsgdBackend, DsgdConfig
 from dsgd.train.tape import DistributedGradientTape, DistributedOptimizer
 from dsgd.train.trainer import DsgdTrainer

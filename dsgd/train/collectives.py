@@ -291,6 +291,16 @@ def grouped_allreduce(tensors, average=None, compression=Compression.none, op=No
         return []
     if op in _GATHERED_OPS:
         return _gathered_reduce(tensors, op, postscale_factor, name)
+    return _summed(tensors, op, wire, postscale_factor, name)
+
+
+def _summed(tensors: list, op: int, wire, postscale_factor: float, name: str | None) -> list:
+    """`grouped_allreduce` with Average or Sum: the floating tensors in one
+    exchange (`wire`: their wire type), the integer ones summed exactly in
+    float64 in a second (an integer Average is `sum / size()`, as TensorFlow
+    divides integers)."""
+    import tensorflow as tf
+
     floats = [k for k, t in enumerate(tensors) if t.dtype.is_floating]
     ints = [k for k, t in enumerate(tensors) if not t.dtype.is_floating]
     sent = [tensors[k] for k in floats] + [tf.cast(tensors[k], tf.float64) for k in ints]
@@ -587,58 +597,3 @@ def allgather_object(obj, name: str | None = None, **hints) -> list:
     """
     check_hints(hints, "allgather_object", "obj, name")
     return exchange.gather(obj)
-
-
-# -- what the build has (Horovod's introspection) --------------------------------
-# dsgd exchanges through Ray's object store and its PS actors: none of Horovod's
-# transports or libraries is built or enabled, so a port's checks take their "without" path.
-def mpi_built() -> bool:
-    """Horovod's: False (dsgd uses no MPI)."""
-    return False
-
-
-def mpi_enabled() -> bool:
-    """Horovod's: False (dsgd uses no MPI)."""
-    return False
-
-
-def mpi_threads_supported() -> bool:
-    """Horovod's: raises ValueError, as Horovod does without MPI."""
-    raise ValueError("dsgd does not use MPI (mpi_enabled() is False); its collectives go "
-                     "through Ray's object store and dsgd's PS actors")
-
-
-def gloo_built() -> bool:
-    """Horovod's: False (dsgd uses no Gloo)."""
-    return False
-
-
-def gloo_enabled() -> bool:
-    """Horovod's: False (dsgd uses no Gloo)."""
-    return False
-
-
-def nccl_built() -> int:
-    """Horovod's: the NCCL version Horovod was built with, 0 for none: 0 (dsgd.train
-    exchanges through Ray's object store)."""
-    return 0
-
-
-def ddl_built() -> bool:
-    """Horovod's: False."""
-    return False
-
-
-def ccl_built() -> bool:
-    """Horovod's: False."""
-    return False
-
-
-def cuda_built() -> bool:
-    """Horovod's: False (no CUDA code in the exchange; TensorFlow's GPUs work as usual)."""
-    return False
-
-
-def rocm_built() -> bool:
-    """Horovod's: False."""
-    return False

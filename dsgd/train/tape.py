@@ -215,25 +215,7 @@ def _distributed_class():
                 self.inner_optimizer.apply(mean_tensors(grads, self._compression, self._op),
                                            trainable_variables)
                 return
-            import tensorflow as tf
-
-            for acc, g in zip(self._accumulators, grads, strict=True):
-                if g is not None:
-                    acc.assign_add(tf.convert_to_tensor(g))
-            self._pass.assign_add(1)
-
-            def exchange_and_apply():
-                summed = [tf.convert_to_tensor(a) for a in self._accumulators]
-                if self._average_passes:
-                    summed = [s / tf.cast(self._passes, s.dtype) for s in summed]
-                self.inner_optimizer.apply(mean_tensors(summed, self._compression, self._op),
-                                           trainable_variables)
-                for a in self._accumulators:
-                    a.assign(tf.zeros_like(a))
-                return tf.constant(True)
-
-            tf.cond(tf.equal(self._pass % self._passes, 0), exchange_and_apply,
-                    lambda: tf.constant(False))
+            _accumulate_and_apply(self, grads, trainable_variables)
 
         @property
         def learning_rate(self):
@@ -263,3 +245,29 @@ def _distributed_class():
 
     _CLASS.append(DistributedKerasOptimizer)
     return DistributedKerasOptimizer
+
+
+def _accumulate_and_apply(opt, grads: list, trainable_variables) -> None:
+    """`backward_passes_per_step` > 1: add `grads` to `opt`'s own accumulators;
+    every `opt._passes`-th call, exchange their sum (or mean over the passes)
+    and have the inner optimizer apply it, then zero them. Works eagerly and
+    inside `tf.function` (`tf.cond`)."""
+    import tensorflow as tf
+
+    for acc, g in zip(opt._accumulators, grads, strict=True):
+        if g is not None:
+            acc.assign_add(tf.convert_to_tensor(g))
+    opt._pass.assign_add(1)
+
+    def exchange_and_apply():
+        summed = [tf.convert_to_tensor(a) for a in opt._accumulators]
+        if opt._average_passes:
+            summed = [s / tf.cast(opt._passes, s.dtype) for s in summed]
+        opt.inner_optimizer.apply(mean_tensors(summed, opt._compression, opt._op),
+                                  trainable_variables)
+        for a in opt._accumulators:
+            a.assign(tf.zeros_like(a))
+        return tf.constant(True)
+
+    tf.cond(tf.equal(opt._pass % opt._passes, 0), exchange_and_apply,
+            lambda: tf.constant(False))

@@ -112,7 +112,7 @@ def custom_train_epoch(worker, ctx: dict, state: dict, epoch: int, info: dict | 
     Returns {"result": what train_epoch returned, "steps", "num_samples"}."""
     worker.set_full_state(state)
     worker.use_timeline(ctx.get("timeline", False))  # (timeline=: each train_step's spans)
-    operator = worker.replicas.replicas[0].operator
+    operator = worker.models()[0].operator
     steps = CustomSteps(worker, {**ctx, "epoch": epoch})
     operator._stepper = steps
     try:
@@ -131,8 +131,8 @@ def custom_validate(worker, source: tuple, num_steps: int | None, info: dict | N
     the validation data (at most `num_steps` batches)."""
     from dsgd.trainer.replica import validation_batches
 
-    operator = worker.replicas.replicas[0].operator
-    for replica in worker.replicas.replicas:
+    operator = worker.models()[0].operator
+    for replica in worker.models():
         replica.begin_validation(info)
         replica.eager = worker.replicas.eager
     iterator = validation_batches(worker, source)
@@ -157,7 +157,7 @@ def batches(source: tuple, worker):
         return
     import tensorflow as tf
 
-    iterators = [iter(r.own_batches()) for r in worker.replicas.replicas]
+    iterators = [iter(r.own_batches()) for r in worker.models()]
     for _ in range(source[1]):
         parts = [tf.nest.map_structure(lambda t: t.numpy(), next(it)) for it in iterators]
         yield parts[0] if len(parts) == 1 else tf.nest.map_structure(

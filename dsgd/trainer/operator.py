@@ -126,30 +126,8 @@ class TrainingOperator:
         if not models or not optimizers:
             raise ValueError("register: models and optimizers must each hold at least one, got "
                              f"{len(models)} model(s) and {len(optimizers)} optimizer(s)")
-        for i, model in enumerate(models):
-            if not isinstance(model, keras.Model):
-                raise TypeError(f"register: models[{i}] must be a keras.Model, got "
-                                f"{type(model).__name__}")
-            if not model.built:
-                raise ValueError(f"register: models[{i}] ({model.name}) is not built; start it "
-                                 "with keras.Input or call model.build(input_shape) in setup")
-        for i, optimizer in enumerate(optimizers):
-            if not isinstance(optimizer, keras.optimizers.Optimizer):
-                raise TypeError(f"register: optimizers[{i}] must be a Keras optimizer, got "
-                                f"{type(optimizer).__name__}")
-        if len(optimizers) > 1 and len(optimizers) != len(models):
-            raise ValueError(f"register: {len(optimizers)} optimizers for {len(models)} "
-                             "models; with several optimizers, optimizer i updates model i")
-        if isinstance(loss, str):
-            loss = keras.losses.get(loss)
-        if loss is not None and not callable(loss):
-            raise TypeError(f"register: loss must be a Keras loss, a name or a callable, got {loss!r}")
-        metrics = [] if metrics is None else list(metrics) if isinstance(metrics, (list, tuple)) \
-            else [metrics]
-        for metric in metrics:
-            if not isinstance(metric, keras.metrics.Metric):
-                raise TypeError(f"register: metrics must be keras.metrics.Metric objects, got "
-                                f"{type(metric).__name__}")
+        _check_models_and_optimizers(models, optimizers)
+        loss, metrics = _checked_loss_and_metrics(loss, metrics)
         single_scheduler = schedulers is not None and not isinstance(schedulers, (list, tuple))
         schedulers = [] if schedulers is None else [schedulers] if single_scheduler \
             else list(schedulers)
@@ -432,3 +410,42 @@ def unpack(batch) -> tuple[Any, Any]:
         return batch[0], batch[1]
     raise ValueError("the default train_batch/validate_batch expect (x, y) batches; override "
                      f"them for batches of type {type(batch).__name__}")
+
+
+def _check_models_and_optimizers(models: list, optimizers: list) -> None:
+    """`register`'s checks of its models (built Keras models) and optimizers
+    (Keras optimizers, one or one per model); raises naming the bad one."""
+    import keras
+
+    for i, model in enumerate(models):
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"register: models[{i}] must be a keras.Model, got "
+                            f"{type(model).__name__}")
+        if not model.built:
+            raise ValueError(f"register: models[{i}] ({model.name}) is not built; start it "
+                             "with keras.Input or call model.build(input_shape) in setup")
+    for i, optimizer in enumerate(optimizers):
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(f"register: optimizers[{i}] must be a Keras optimizer, got "
+                            f"{type(optimizer).__name__}")
+    if len(optimizers) > 1 and len(optimizers) != len(models):
+        raise ValueError(f"register: {len(optimizers)} optimizers for {len(models)} "
+                         "models; with several optimizers, optimizer i updates model i")
+
+
+def _checked_loss_and_metrics(loss, metrics) -> tuple:
+    """`register`'s loss (a name made a Keras loss) and metrics (as a list),
+    checked; raises naming the bad one."""
+    import keras
+
+    if isinstance(loss, str):
+        loss = keras.losses.get(loss)
+    if loss is not None and not callable(loss):
+        raise TypeError(f"register: loss must be a Keras loss, a name or a callable, got {loss!r}")
+    metrics = [] if metrics is None else list(metrics) if isinstance(metrics, (list, tuple)) \
+        else [metrics]
+    for metric in metrics:
+        if not isinstance(metric, keras.metrics.Metric):
+            raise TypeError(f"register: metrics must be keras.metrics.Metric objects, got "
+                            f"{type(metric).__name__}")
+    return loss, metrics

@@ -258,7 +258,7 @@ def validate_share(worker, source: tuple, num_steps: int | None, info: dict | No
     the last batch's values and the replicas' summed metric states."""
     from dsgd.data.batching import num_rows
 
-    replicas = worker.replicas.replicas
+    replicas = worker.models()
     eager = worker.replicas.eager
     tally = {"num_samples": 0, "batch_count": 0, "sums": {}, "last": {}}
 
@@ -324,7 +324,7 @@ def validation_batches(worker, source: tuple):
         return
     import tensorflow as tf
 
-    for replica in worker.replicas.replicas:
+    for replica in worker.models():
         for batch in replica.own_validation_batches():
             yield tf.nest.map_structure(lambda t: t.numpy(), batch)
 

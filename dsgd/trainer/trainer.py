@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 
 from dsgd import constants
 from dsgd.comm import ps_client
@@ -29,14 +28,16 @@ from dsgd.engine.sgd import DistributedSGD
 from dsgd.trainer import results
 from dsgd.trainer.custom import custom_train_epoch, custom_validate
 from dsgd.trainer.operator import BATCH_SIZE, TrainingOperator
-from dsgd.trainer.replica import OperatorReplica, validate_share
+from dsgd.trainer.replica import validate_share
 from dsgd.trainer.schedules import STEP_FREQS
+from dsgd.trainer.worker_side import (OWN, ReplicaCreator, WorkerInit, custom_methods, full_state,
+                                      registered_data, replica_config, set_info, start_epoch,
+                                      sum_states)
 
 logger = logging.getLogger("dsgd")
 
 PRECISIONS = {False: None, True: "mixed_float16", "float16": "mixed_float16",
               "bfloat16": "mixed_bfloat16"}
-OWN = "own"  # data read by each replica itself (tf.data)
 
 
 class Trainer:
@@ -133,7 +134,7 @@ class Trainer:
         self.config = dict(config or {})
         self.num_workers, self.devices_per_worker = num_workers, devices_per_worker
         self.operator_cls = training_operator_cls
-        self._replica_config = _replica_config(self.config, num_workers, devices_per_worker)
+        self._replica_config = replica_config(self.config, num_workers, devices_per_worker)
         self.precision = PRECISIONS[use_fp16]
         self.scheduler_step_freq, self.local = scheduler_step_freq, local
         scaling = self.precision == "mixed_float16"
@@ -146,19 +147,19 @@ class Trainer:
         # Decided here, not in the engine: the operators are told their device.
         use_gpu = resolve_gpu(use_gpu, num_workers, devices_per_worker)
         world = num_workers * devices_per_worker
-        creator = _ReplicaCreator(training_operator_cls, self._replica_config, devices_per_worker,
+        creator = ReplicaCreator(training_operator_cls, self._replica_config, devices_per_worker,
                                   world, use_gpu, scaling, scheduler_step_freq)
         if local:
             engine_options["local"] = True
         self.sgd = DistributedSGD(creator, num_workers, devices_per_worker, gpu=use_gpu,
                                   strategy=strategy,
-                                  worker_init=_WorkerInit(initialization_hook, self.precision),
+                                  worker_init=WorkerInit(initialization_hook, self.precision),
                                   **engine_options)
         try:
-            train, validation = self.sgd.for_model(_registered_data)
+            train, validation = self.sgd.for_model(registered_data)
             # The driver steps the plateau rules (on the reported, averaged metrics).
             self._plateaus = self.sgd.for_model(lambda m: m.plateaus())
-            self._custom_train, self._custom_validate = self.sgd.for_model(_custom_methods)
+            self._custom_train, self._custom_validate = self.sgd.for_model(custom_methods)
             if self._custom_train and self.sgd.num_workers > 1 and not self.sgd.ps_actors:
                 raise ValueError(f"{training_operator_cls.__name__} overrides train_epoch: its "
                                  "steps exchange through PS actors, so use strategy='ps' "
@@ -212,7 +213,7 @@ class Trainer:
         epoch = self.epoch
         self._info = info
         # One call per worker (retried on a new group if a worker is lost): safe to repeat.
-        self.sgd.foreach_worker(lambda w: _start_epoch(w, epoch, info))
+        self.sgd.foreach_worker(lambda w: start_epoch(w, epoch, info))
         data = dataset if dataset is not None else self._train_data
         if data is None:
             raise ValueError("nothing to train on: register_data(train_data=...) in setup, or "
@@ -265,7 +266,7 @@ class Trainer:
         tallies = self.sgd.run_on_workers(
             validate_share, self._validation_sources, num_steps, info, what="validating",
             timeout_s=constants.VALIDATION_TIMEOUT_STEPS * self.sgd.step_timeout_s)
-        states = _sum_states([t["metric_states"] for t in tallies])
+        states = sum_states([t["metric_states"] for t in tallies])
         metrics = self.sgd.for_model(lambda m: m.metric_results(states)) if states else {}
         result = results.validation_results(tallies, metrics, reduce_results,
                                             time.perf_counter() - start, profile)
@@ -285,7 +286,7 @@ class Trainer:
 
         start = time.perf_counter()
         first = lambda: [True] + [False] * (self.sgd.num_workers - 1)  # noqa: E731
-        state = ray.put(self.sgd.run_on_workers(_full_state, first, what=f"epoch {epoch}: "
+        state = ray.put(self.sgd.run_on_workers(full_state, first, what=f"epoch {epoch}: "
                                                 "saving its starting state")[0])
 
         def contexts():
@@ -579,7 +580,7 @@ class Trainer:
 
     def _resend_info(self) -> None:
         info = self._info
-        self.sgd.foreach_worker(lambda w: _set_info(w, info))
+        self.sgd.foreach_worker(lambda w: set_info(w, info))
 
     def _log(self, scalars: dict[str, Any]) -> None:
         if not self.logdir:
@@ -593,92 +594,3 @@ class Trainer:
                 if value is not None:
                     tf.summary.scalar(name, float(value), step=self.epoch)
         self._writer.flush()
-
-
-class _ReplicaCreator:
-    """model_creator of the Trainer's DistributedSGD (pickled to the workers)."""
-
-    def __init__(self, operator_cls, config, devices_per_worker, world_size, gpu, loss_scaling,
-                 step_freq):
-        self.operator_cls, self.config = operator_cls, config
-        self.devices_per_worker, self.world_size = devices_per_worker, world_size
-        self.gpu, self.loss_scaling, self.step_freq = gpu, loss_scaling, step_freq
-
-    def __call__(self, worker_index: int, device_index: int) -> OperatorReplica:
-        device = f"/device:{'GPU' if self.gpu else 'CPU'}:{device_index}"
-        rank = worker_index * self.devices_per_worker + device_index
-        return OperatorReplica(self.operator_cls, dict(self.config), rank, self.world_size, device,
-                               self.loss_scaling, self.step_freq)
-
-
-class _WorkerInit:
-    """worker_init of the Trainer's DistributedSGD: the user's hook, then the
-    Keras precision policy (per process, before any model is built)."""
-
-    def __init__(self, hook: Callable | None, precision: str | None):
-        self.hook, self.precision = hook, precision
-
-    def __call__(self) -> None:
-        if self.hook is not None:
-            self.hook()
-        if self.precision is not None:
-            import keras
-
-            keras.mixed_precision.set_global_policy(self.precision)
-
-
-def _start_epoch(worker, epoch: int, info: dict | None) -> None:
-    """(worker side) Every replica starts `epoch`; the compiled step is traced again
-    where train()'s info changed."""
-    if any([m.start_epoch(epoch, info) for m in worker.replicas.replicas]):
-        worker.replicas.retrace()
-
-
-def _set_info(worker, info: dict | None) -> None:
-    """(worker side) train()'s info for a replacement worker (retraced if it changed)."""
-    if any([m.set_info(info) for m in worker.replicas.replicas]):
-        worker.replicas.retrace()
-
-
-def _custom_methods(replica: OperatorReplica) -> tuple[bool, bool]:
-    """(worker side) Whether the operator overrides train_epoch / validate."""
-    cls = type(replica.operator)
-    return (cls.train_epoch is not TrainingOperator.train_epoch,
-            cls.validate is not TrainingOperator.validate)
-
-
-def _full_state(worker, first: bool):
-    """(worker side) The worker's state (Worker.get_full_state) if `first`, else None."""
-    return worker.get_full_state() if first else None
-
-
-def _registered_data(replica: OperatorReplica) -> tuple:
-    """(worker side) What the operator registered, as the driver can use it."""
-    import tensorflow as tf
-
-    def driver_side(data):
-        return OWN if isinstance(data, tf.data.Dataset) else data
-
-    return (driver_side(replica.operator._train_data),
-            driver_side(replica.operator._validation_data))
-
-
-def _replica_config(config: dict, num_workers: int, devices_per_worker: int) -> dict:
-    replica_config = dict(config)
-    if BATCH_SIZE in config:
-        batch, replicas = config[BATCH_SIZE], num_workers * devices_per_worker
-        if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
-            raise ValueError(f"config[dsgd.BATCH_SIZE] must be a positive int, got {batch!r}")
-        if batch % replicas:
-            raise ValueError(f"config[dsgd.BATCH_SIZE]={batch} (the global batch) does not divide "
-                             f"among {num_workers} worker(s) x {devices_per_worker} device(s) = "
-                             f"{replicas} replicas; use a multiple of {replicas}")
-        replica_config[BATCH_SIZE] = batch // replicas
-    return replica_config
-
-
-def _sum_states(per_worker: list) -> list:
-    if not per_worker or not per_worker[0]:
-        return []
-    return [[sum(w[m][v] for w in per_worker) for v in range(len(per_worker[0][m]))]
-            for m in range(len(per_worker[0]))]

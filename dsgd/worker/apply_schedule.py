@@ -21,7 +21,7 @@ class _Pending:
     the first layers then overlaps the update of the others. Kept only within
     one exchange_steps call (flushed at its end, so that weights read between
     calls are the applied step's)."""
-    sending: Any            # the step's Sending (its means are released once applied)
+    sending: Any            # the step's StepExchange (its means are released once applied)
     shards: list            # the mean of every shard, by shard index (read-only views)
     step: int               # the timeline's step number
 
@@ -34,7 +34,7 @@ class ApplySchedule:
     def _init_apply_schedule(self) -> None:
         # Apply the buckets in at the decision before the rest only when the rest is at
         # least this share of the gradient's bytes (constants.APPLY_SPLIT_MIN_PENDING).
-        self.split_apply = constants.APPLY_SPLIT_MIN_PENDING
+        self.split_apply_min_share = constants.APPLY_SPLIT_MIN_PENDING
         # Overlapped steps: apply a decided step's means inside the next step's compiled
         # call when one follows in the same exchange_steps call (`_Pending`).
         self.defer_apply = True
@@ -85,7 +85,7 @@ class ApplySchedule:
         pending = sum(nbytes[ready:]) / max(1, sum(nbytes))
         if self.replicas.per_group_blocker is not None:
             stages = [tuple(range(count))]  # one update of everything
-        elif ready == 0 or pending < self.split_apply:
+        elif ready == 0 or pending < self.split_apply_min_share:
             stages = [tuple(range(count))]
         else:  # (two updates: more cost more than they hide, measured: benchmarks/README.md)
             stages = [tuple(range(ready)), tuple(range(ready, count))]
@@ -114,8 +114,8 @@ class ApplySchedule:
 
     def _read_means(self, sending, buckets, stage) -> dict:
         """{shard index: mean} of the buckets in `stage`, read in parallel
-        (Sending.read), then each from there; the timeline's receive spans (the
-        stage's first bucket's holds the parallel read). Blocks (Sending.read)."""
+        (StepExchange.read), then each from there; the timeline's receive spans (the
+        stage's first bucket's holds the parallel read). Blocks (StepExchange.read)."""
         from dsgd.comm import timeline
 
         tl = timeline.recorder()

@@ -24,11 +24,11 @@ class ExchangeSession:
         self._dead_ps: list[int] = []  # PS actors found dead by a fallback: replaced next
         self._late = False  # backup workers: dropped from the last step (exchange_steps)
         self._recent_metas: dict = {}  # exchange number -> every worker's meta (recent steps)
-        self._sendings: dict = {}  # exchange number -> its Sending (this step's; the last's until
+        self._sendings: dict = {}  # exchange number -> its StepExchange (this step's; the last's until
         # every worker has applied it)
         self.overlap = False  # send the gradient during the backward pass (join)
-        self.fell_back = 0  # buckets this worker averaged itself (their PS died)
-        self._next_in_call = False  # _exchange_steps: another step follows this one
+        self.buckets_averaged_here = 0  # buckets this worker averaged itself (their PS died)
+        self._next_in_call = False  # _run_exchange_steps: another step follows this one
         self._metas_kept = 0  # exchange_steps: how many of them to keep at least
 
     def join(self, rank: int, peers: list, ps: list, ps_names: list[str], layout,
@@ -103,7 +103,7 @@ class ExchangeSession:
         if run == self._halted_run:
             return []
         try:
-            return self._exchange_steps(datas, seqs, run, compact, reporter)
+            return self._run_exchange_steps(datas, seqs, run, compact, reporter)
         finally:
             # A step decided last in this call, or before one that stopped, and kept for
             # the next step's compiled call (`_Pending`): applied now, so that what is
@@ -119,7 +119,7 @@ class ExchangeSession:
             if not self._dead_ps:
                 self._sendings.clear()
 
-    def _exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool,
+    def _run_exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool,
                         reporter: bool) -> list[dict] | dict:
         from dsgd.comm.waits import actor_died_errors
         from dsgd.errors import ExchangeAbandoned, StepTimeoutError
@@ -133,7 +133,7 @@ class ExchangeSession:
             # get_batch may read the model's state, e.g. its optimizer's iteration count)
             self._next_in_call = k + 1 < len(seqs) and datas[k + 1] is not None
             try:
-                info = self._exchange_step(data, seq)
+                info = self._step_after_backward(data, seq)
             except (*actor_died_errors(), StepTimeoutError, ExchangeAbandoned) as e:
                 self._halted_run = run
                 # Without its traceback: its frames hold the step's object refs (the
@@ -192,7 +192,7 @@ class ExchangeSession:
                 out["tallies"] = tallies
         return out
 
-    def _exchange_step(self, data, seq: int) -> dict:
+    def _step_after_backward(self, data, seq: int) -> dict:
         from dsgd.comm import commit
 
         client, layout, on_nonfinite = self._exchange
@@ -240,7 +240,7 @@ class ExchangeSession:
         return report
 
     def _overlapped_step(self, data, seq: int) -> dict:
-        """`_exchange_step` with the gradient leaving during the backward pass, in
+        """`_step_after_backward` with the gradient leaving during the backward pass, in
         phases: data, compute and send (`_compute_sending`: each bucket of
         consecutive shards, `bucket_layout`, goes to its PS from inside the
         compiled step as soon as its gradients exist), arrive (`_arrive`: every
@@ -252,7 +252,7 @@ class ExchangeSession:
 
         Backup workers: the buckets leave as they do without them, before the
         contributors are chosen; each PS keeps every worker's part of its
-        buckets until PS 0 has chosen (`Sending.choose`, instead of gathering
+        buckets until PS 0 has chosen (`StepExchange.choose`, instead of gathering
         every meta) and then sums the contributors' parts only. A late worker
         whose next step is chosen already sits it out (`_sat_out`)."""
         from dsgd.comm import commit
@@ -314,13 +314,9 @@ class ExchangeSession:
             if batches is None:
                 return None, samples, data_s
             self.begin_compute()
-            self.replicas.sender = send
-            try:
-                fused = time.perf_counter() if pending is not None else None
-                computed = self.replicas.compute_sending(
-                    groups, batches, pending=None if pending is None else pending.shards)
-            finally:
-                self.replicas.sender = None
+            fused = time.perf_counter() if pending is not None else None
+            computed = self.replicas.compute_sending(
+                groups, batches, send, pending=None if pending is None else pending.shards)
             if fused is not None:
                 self._pending_applied(pending, fused)
             return computed, samples, data_s
@@ -359,7 +355,7 @@ class ExchangeSession:
     def _arrive(self, seq: int, sending, mine: dict, report: dict, dropped: int | None) -> list:
         """Phase arrive: every contributor's meta, in rank order of the contributors
         (PS 0 gathers every worker's, or with backup workers names the first
-        `need`). Keeps this step's `Sending` while a peer may still ask for its
+        `need`). Keeps this step's `StepExchange` while a peer may still ask for its
         parts, and the metas for reports. `dropped`: the rows of a get_batch
         batch, counted as dropped if this worker is not a contributor."""
         if not sending.chosen_later:
@@ -407,7 +403,7 @@ class ExchangeSession:
         if self._pending is None or self._pending.sending is not sending:
             sending.release_means()
         if sending.fell_back:
-            self.fell_back += len(sending.fell_back)
+            self.buckets_averaged_here += len(sending.fell_back)
             self._dead_ps = sorted({self._buckets.ps_of_group[g] for g in sending.fell_back})
 
     def _by_rank(self, chosen: list[int], metas: list[dict]) -> list:
@@ -456,7 +452,7 @@ class ExchangeSession:
                 "contributed": False, "sat_out": sat_out}
 
     def _backup_step(self, data, seq: int) -> dict:
-        """`_exchange_step` under backup workers (see `exchange_steps`)."""
+        """`_step_after_backward` under backup workers (see `exchange_steps`)."""
         from dsgd.comm import commit
 
         client, layout, on_nonfinite = self._exchange
@@ -519,7 +515,7 @@ class ExchangeSession:
     def parts_of(self, seq: int, g: int) -> list:
         """[this worker's part (an ObjectRef) of bucket `g` of exchange `seq`], or
         [None] if it no longer holds it: a peer whose PS died averages that
-        bucket itself (`Sending.fallback`). Runs beside `exchange_steps` (its
+        bucket itself (`StepExchange.fallback`). Runs beside `exchange_steps` (its
         own concurrency group), answering at once."""
         sending = self._sendings.get(seq)
         return [None if sending is None else sending.parts[g]]

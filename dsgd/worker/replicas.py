@@ -7,7 +7,6 @@ also be used in-process.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import time
@@ -17,8 +16,10 @@ import numpy as np
 
 from dsgd.comm import device_mean
 from dsgd.native import dlpack, ops
-from dsgd.errors import DsgdError, ModelMismatchError, ResourceError
-from dsgd.model import Model, _name, _np_dtype
+from dsgd.errors import DsgdError, ModelMismatchError
+from dsgd.model import Model, _name, _np_dtype, loss_parts, optimizer_groups
+from dsgd.worker.devices import configure_devices
+from dsgd.worker.staging import _Stage, _last_group_of_variables, per_group_blocker  # noqa: F401
 from dsgd.comm.sharding import ShardPlan
 
 
@@ -31,19 +32,45 @@ class Replicas:
         self.gpu = gpu
         self.all_reduce_alg = all_reduce_alg
         self.replicas: list[Model] = []
-        self.plan: ShardPlan | None = None
-        self.eager = False  # local mode: steps run uncompiled (dsgd/engine/local.py)
+        self.eager = False  # local mode: steps run uncompiled (`use_eager`)
         # timeline=: the compiled steps note when every replica's forward pass has
         # ended (`forward_at`, perf_counter; None when not noted). Off: no such op.
         self._mark_forward = False
         self.forward_at: float | None = None
+        # Built by `setup` (TensorFlow is imported there, not here): per replica.
+        self.devices: list[str] = []
+        self.optimizers: list[list] = []       # its optimizers
+        self.group_indices: list[list] = []    # each optimizer's variable indices
+        self.variables: list[list] = []        # its trainable variables
+        # Set by `configure` (a shard plan): what the compiled steps are for.
+        self.plan: ShardPlan | None = None
+        self.wire_dtypes: list = []            # each variable's gradient on the wire
+        self.check_finite = True
+        self.gate_apply = False
+        self.per_group_blocker: str | None = None
+        # Made by `retrace` (compiled at their next call).
+        self._local_step_fn = self._compute_fn = self._apply_fn = None
+        self._stages: dict = {}  # shard groups -> [_Stage], for apply_stage
+        self._sending_fns: dict = {}  # shard groups -> compiled compute_sending
+        self._sender: Callable | None = None  # compute_sending's receiver, during its call
+        self.pending_applied, self.applied_at = True, None  # compute_sending(pending=...)
+
+    def use_eager(self) -> None:
+        """Local mode (dsgd/engine/local.py): steps run uncompiled, for debuggers."""
+        self.eager = True
+
+    def begin_step(self, mark_forward: bool) -> None:
+        """Before a compiled step: whether it notes its forward pass's end
+        (`mark_forward`), and no end noted yet (`forward_at` None)."""
+        self.mark_forward = mark_forward
+        self.forward_at = None
 
     def setup(self) -> dict:
         """Configure devices and build the replicas. Returns the variable signature
         (names, shapes, dtypes) the driver compares across workers."""
         import tensorflow as tf
 
-        self.devices = _configure_devices(self.num_devices, self.gpu)
+        self.devices = configure_devices(self.num_devices, self.gpu)
         self.optimizers, self.group_indices = [], []
         for i, device in enumerate(self.devices):
             with tf.device(device), tf.name_scope(f"device_{i}"):
@@ -55,7 +82,7 @@ class Replicas:
                 if not variables:
                     raise ModelMismatchError(f"replica (worker {self.worker_index}, device {i}) "
                                              "has no trainable variables")
-                optimizers, indices = _optimizer_groups(replica, variables,
+                optimizers, indices = optimizer_groups(replica, variables,
                                                         f"worker {self.worker_index}, device {i}")
                 # Slots are created now, on this device, so that checkpoints and
                 # weight broadcasts see the full optimizer state before step 1.
@@ -136,10 +163,9 @@ class Replicas:
         self._local_step_fn = compiled(self._local_step_graph)
         self._compute_fn = compiled(self._compute_graph)
         self._apply_fn = compiled(self._apply_graph)
-        self._stages: dict = {}  # shard groups -> [_Stage], for apply_stage
-        self._sending_fns: dict = {}  # shard groups -> compiled compute_sending
-        self.sender: Callable | None = None  # compute_sending's receiver, set per step
-        self.pending_applied, self.applied_at = True, None  # compute_sending(pending=...)
+        self._stages = {}
+        self._sending_fns = {}
+        self.pending_applied, self.applied_at = True, None
 
     @property
     def mark_forward(self) -> bool:
@@ -154,9 +180,7 @@ class Replicas:
         if bool(on) != self._mark_forward:
             self._mark_forward = bool(on)
             if self.plan is not None:
-                sender = self.sender
                 self.retrace()
-                self.sender = sender
 
     def _forward_done(self, loss: np.ndarray) -> np.ndarray:
         self.forward_at = time.perf_counter()  # (the last replica's, with several)
@@ -179,12 +203,12 @@ class Replicas:
         on every replica."""
         return self._compute_fn(self._tensors(batches))
 
-    def compute_sending(self, groups: tuple[tuple[int, ...], ...], batches: list | None = None,
-                        pending: list | None = None):
+    def compute_sending(self, groups: tuple[tuple[int, ...], ...], batches: list | None,
+                        sender: Callable, pending: list | None = None):
         """`compute`, but the gradient leaves during the backward pass: for each
         group of shard indices in `groups`, one op of the compiled step, whose
         inputs are the wire gradients of the variables with pieces in those
-        shards, calls `self.sender(g, arrays)` as soon as TensorFlow has them
+        shards, calls `sender(g, arrays)` as soon as TensorFlow has them
         (`arrays`: {variable index: 1-D numpy array of its wire gradient}),
         while the rest of the backward pass goes on. The arrays are valid only
         during that call (TensorFlow may reuse their memory afterwards): the
@@ -218,14 +242,18 @@ class Replicas:
                 graph = functools.partial(self._apply_then_sending_graph, groups)
             fn = self._sending_fns[key] = graph if self.eager else \
                 tf.function(graph, reduce_retracing=True)
-        if pending is None:
-            return fn(self._tensors(batches))
-        addresses, byte_sizes = self._shard_addresses(pending)
-        tensors = self._tensors(batches)
-        self.pending_applied, self.applied_at = None, None
-        fn.get_concrete_function(tensors, addresses, byte_sizes)  # (an error tracing: none ran)
-        self.pending_applied = False
-        return fn(tensors, addresses, byte_sizes)
+        self._sender = sender
+        try:
+            if pending is None:
+                return fn(self._tensors(batches))
+            addresses, byte_sizes = self._shard_addresses(pending)
+            tensors = self._tensors(batches)
+            self.pending_applied, self.applied_at = None, None
+            fn.get_concrete_function(tensors, addresses, byte_sizes)  # (a tracing error: none ran)
+            self.pending_applied = False
+            return fn(tensors, addresses, byte_sizes)
+        finally:
+            self._sender = None
 
     def _apply_then_sending_graph(self, groups, batches, addresses, byte_sizes):
         import tensorflow as tf
@@ -285,7 +313,7 @@ class Replicas:
         return losses, finite, metrics, tf.stack(sent) if sent else tf.constant([], tf.bool)
 
     def _send_hook(self, g: int, var_ids: list[int], *arrays) -> np.ndarray:
-        sender = self.sender
+        sender = self._sender
         if sender is not None:
             sender(g, dict(zip(var_ids, arrays)))
         return np.True_
@@ -398,7 +426,7 @@ class Replicas:
             with tf.device(self.devices[i]), tf.name_scope(f"device_{i}"):
                 groups = self.group_indices[i]
                 with tf.GradientTape(persistent=len(groups) > 1) as tape:
-                    objectives, extra = _loss_parts(replica.get_loss(batch), len(groups))
+                    objectives, extra = loss_parts(replica.get_loss(batch), len(groups))
                 raw = [None] * len(self.variables[i])
                 for objective, group in zip(objectives, groups):
                     for k, g in zip(group, tape.gradient(objective,
@@ -506,52 +534,6 @@ class Replicas:
                 for b in batches]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Stage:
-    var_ids: tuple[int, ...]    # the variables it updates
-    shard_ids: tuple[int, ...]  # the shards holding their gradients
-    fn: Callable                # compiled: (addresses, byte_sizes) of every shard -> update
-
-
-def _last_group_of_variables(plan: ShardPlan, groups) -> list[int]:
-    """For each variable, the group holding its last-arriving piece (the last
-    group for a variable with no elements, which has no piece)."""
-    group_of = {j: g for g, shards in enumerate(groups) for j in shards}
-    return [max((group_of[j] for j, _ in plan.pieces_of(v)), default=len(groups) - 1)
-            for v in range(len(plan.shapes))]
-
-
-# Keras optimizers whose update of a variable reads only that variable's
-# gradient, its own slots and the iteration count (held by apply_stage), so that
-# applying a step in parts equals one apply. Exact types only: a subclass may
-# change that. Not here: Nadam (a product updated once per apply), Muon and
-# ScheduleFreeAdamW (cross-variable or per-call state), LossScaleOptimizer
-# (one finiteness check over all gradients).
-_PER_VARIABLE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax",
-                            "Ftrl", "Lion", "Lamb", "Adafactor")
-
-
-def per_group_blocker(optimizers) -> str | None:
-    """Why a step cannot be applied shard group by group with these optimizers
-    (None: it can): global_clipnorm, EMA and gradient accumulation need every
-    gradient of the step at once, and optimizers not known to update each
-    variable on its own are not split."""
-    import keras
-
-    known = tuple(getattr(keras.optimizers, name) for name in _PER_VARIABLE_OPTIMIZERS)
-    for optimizer in optimizers:
-        name = type(optimizer).__name__
-        if type(optimizer) not in known:
-            return f"optimizer {name} is not one known to update each variable on its own"
-        if getattr(optimizer, "global_clipnorm", None):
-            return f"{name} has global_clipnorm (needs every gradient at once)"
-        if getattr(optimizer, "use_ema", False):
-            return f"{name} has use_ema=True (averages every variable on each apply)"
-        if getattr(optimizer, "gradient_accumulation_steps", None):
-            return f"{name} accumulates gradients (gradient_accumulation_steps)"
-    return None
-
-
 def _finite_flags(grads, gpu: bool) -> list:
     """Per gradient: a scalar bool tensor "every element is finite", or None
     (not a floating type). On CPU, dsgd's op checks each gradient in one read,
@@ -579,85 +561,3 @@ def _after(tensor, flags: list):
 
 def _dtype_name(variable) -> str:
     return _np_dtype(variable).name
-
-
-def _configure_devices(num: int, gpu: bool) -> list[str]:
-    import tensorflow as tf
-
-    if gpu:
-        gpus = tf.config.list_physical_devices("GPU")
-        if len(gpus) < num:
-            raise ResourceError(f"devices_per_worker={num} with gpu=True, but this worker sees "
-                                f"{len(gpus)} GPU(s) (CUDA_VISIBLE_DEVICES="
-                                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
-        for g in gpus:
-            try:
-                tf.config.experimental.set_memory_growth(g, True)
-            except RuntimeError:
-                pass  # already initialised; growth then stays as it was
-        return [f"/device:GPU:{i}" for i in range(num)]
-    if num > 1:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        try:
-            tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(num)])
-        except RuntimeError as e:
-            have = len(tf.config.list_logical_devices("CPU"))
-            if have < num:
-                raise DsgdError(f"cannot split the CPU into {num} logical devices: TensorFlow "
-                                f"was already initialised in this process with {have}") from e
-    return [f"/device:CPU:{i}" for i in range(num)]
-
-
-def _optimizer_groups(replica: Model, variables: list, where: str) -> tuple[list, list]:
-    """The replica's optimizers and, for each, the indices (into `variables`) of
-    the variables it updates: `get_optimizer()` may return one optimizer (all
-    variables) or a list matched to `get_variable_groups()`."""
-    optimizer = replica.get_optimizer()
-    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    groups = replica.get_variable_groups() if len(optimizers) > 1 else [variables]
-    if len(groups) != len(optimizers):
-        raise ModelMismatchError(f"replica ({where}) has {len(optimizers)} optimizers but "
-                                 f"get_variable_groups() gives {len(groups)} variable groups")
-    position = {id(v): k for k, v in enumerate(variables)}
-    indices, used = [], set()
-    for g, group in enumerate(groups):
-        group_indices = []
-        for v in group:
-            if id(v) not in position or id(v) in used:
-                raise ModelMismatchError(f"replica ({where}): variable {_name(v)} of group {g} is "
-                                         "not in get_variables(), or in two groups")
-            used.add(id(v))
-            group_indices.append(position[id(v)])
-        indices.append(group_indices)
-    return optimizers, indices
-
-
-def _loss_parts(out, num_objectives: int) -> tuple[list, dict]:
-    """get_loss's result as (one scalar objective per optimizer, {name: float32
-    scalar metric}). It returns a scalar, or a dict whose "loss" is a scalar or
-    one scalar per optimizer, the other entries being scalar metrics."""
-    import tensorflow as tf
-
-    metrics = {}
-    if isinstance(out, dict):
-        if "loss" not in out:
-            raise ValueError(f"get_loss returned a dict without 'loss': keys {sorted(out)}; "
-                             "return a scalar loss, or {'loss': loss, <metric>: scalar, ...}")
-        metrics = {k: tf.cast(tf.convert_to_tensor(v), tf.float32) for k, v in out.items()
-                   if k != "loss"}
-        out = out["loss"]
-    if out is None:
-        raise ValueError("get_loss returned None as the loss: return a scalar tf.Tensor")
-    objectives = list(out) if isinstance(out, (list, tuple)) else [out]
-    if len(objectives) != num_objectives:
-        raise ValueError(f"get_loss returned {len(objectives)} loss(es) for {num_objectives} "
-                         "optimizer(s): return one scalar loss per optimizer")
-    objectives = [tf.convert_to_tensor(o) for o in objectives]
-    named = [("the loss" if len(objectives) == 1 else f"loss {k}", o)
-             for k, o in enumerate(objectives)] + [(f"metric {k!r}", v) for k, v in metrics.items()]
-    for name, value in named:
-        if value.shape.rank != 0:
-            raise ValueError(f"get_loss must return scalars, but {name} has shape {value.shape}: "
-                             "reduce it (e.g. tf.reduce_mean)")
-    return objectives, metrics

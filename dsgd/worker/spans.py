@@ -58,8 +58,7 @@ class StepSpans:
 
     def begin_compute(self) -> None:
         """Before a compiled step: note its forward pass's end iff a timeline records."""
-        self.replicas.mark_forward = timeline.recorder().on
-        self.replicas.forward_at = None
+        self.replicas.begin_step(mark_forward=timeline.recorder().on)
 
     def use_timeline(self, on: bool):
         """This worker's recorder, turned on or off as the driver's call says."""

@@ -63,6 +63,7 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
         self._gc_frozen = False
         self._loaders: dict = {}  # data feed key -> loader (dsgd/data/feeds.py)
         self._halted_run = None  # local_steps, exchange_steps: the run that was stopped
+        self.warmed_store_bytes = 0  # of this process's store mapping (configure)
         self._init_exchange()
         self._init_apply_schedule()
         self.replicas = Replicas(model_creator, worker_index, devices_per_worker, gpu,
@@ -258,6 +259,11 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
             to_wall = time.time() - time.perf_counter()
             tl.add("apply", "step", start + to_wall, time.time(), step=self.applied_steps)
         return {"apply_s": time.perf_counter() - start}
+
+    def models(self) -> list[Model]:
+        """This worker's replicas (the `Model`s `model_creator` made), in device
+        order: what the driver's per-worker functions (`run`) work on."""
+        return self.replicas.replicas
 
     def get_state(self) -> list[np.ndarray]:
         """Replica 0's full model state (a Keras model's `weights`, non-trainable
