@@ -82,6 +82,31 @@ def reset_tiny_steps(model) -> None:
     model.steps = 0
 
 
+def ready_patch(ready: int):
+    """Patch, in a worker's process, `StepExchange.ready_prefix` to say `ready` (how
+    many buckets are in when the step is decided: 1 of 2 applies the step in two
+    updates, bucket 1's mean read between them) whatever the timing, and count
+    the replicas' applies at once ("whole") and in parts ("part"). `unpatch`
+    undoes it."""
+    def patch(worker):
+        from dsgd.comm import ps_client
+
+        ps_client.StepExchange._real = {"ready_prefix": ps_client.StepExchange.ready_prefix}
+        ps_client.StepExchange.ready_prefix = lambda self: ready
+        worker.applies = {"whole": 0, "part": 0}
+        replicas = worker.replicas
+        whole, part = replicas.apply, replicas.apply_stage
+
+        def count(kind, fn):
+            def counted(*args):
+                worker.applies[kind] += 1
+                return fn(*args)
+            return counted
+
+        replicas.apply, replicas.apply_stage = count("whole", whole), count("part", part)
+    return patch
+
+
 def unpatch(worker):
     from dsgd.comm import ps_client
 

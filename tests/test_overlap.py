@@ -15,7 +15,8 @@ import ray
 import dsgd
 from dsgd.comm.sharding import bucket_layout, exchange_layout, plan_shards
 import tiny
-from helpers import Reset, assert_replicas_identical, kill_ps_before_sending, unpatch
+from helpers import (Reset, assert_replicas_identical, kill_ps_before_sending, ready_patch,
+                     unpatch)
 
 BATCH, STEPS = 4, 4
 TOL = 1e-5  # float32 round-off of 4 steps (as tests/test_exact.py)
@@ -143,32 +144,8 @@ def shared(tmp_path_factory):
 
 def _ready_says(ready):
     """(`ready`: an int, or a function of the worker's index)"""
-    return lambda worker: _ready_patch(ready(worker.worker_index) if callable(ready)
+    return lambda worker: ready_patch(ready(worker.worker_index) if callable(ready)
                                        else ready)(worker)
-
-
-def _ready_patch(ready: int):
-    """Patch, in a worker's process, `StepExchange.ready_prefix` to say `ready` (how
-    many buckets are in when the step is decided: 1 of 2 applies the step in two
-    updates, bucket 1's mean read between them) whatever the timing, and count
-    the replicas' applies at once and in parts."""
-    def patch(worker):
-        from dsgd.comm import ps_client
-
-        ps_client.StepExchange._real = {"ready_prefix": ps_client.StepExchange.ready_prefix}
-        ps_client.StepExchange.ready_prefix = lambda self: ready
-        worker.applies = {"whole": 0, "part": 0}
-        replicas = worker.replicas
-        whole, part = replicas.apply, replicas.apply_stage
-
-        def count(kind, fn):
-            def counted(*args):
-                worker.applies[kind] += 1
-                return fn(*args)
-            return counted
-
-        replicas.apply, replicas.apply_stage = count("whole", whole), count("part", part)
-    return patch
 
 
 @pytest.mark.cluster

@@ -16,7 +16,7 @@ import pytest
 import dsgd
 from dsgd.worker.replicas import per_group_blocker
 import tiny
-from helpers import Reset, reset_tiny_steps, unpatch
+from helpers import Reset, ready_patch, reset_tiny_steps, unpatch
 
 BATCH, STEPS = 4, 4
 TOL = 1e-5  # float32 round-off of 4 steps (as tests/test_exact.py)
@@ -36,35 +36,11 @@ def keyed(w, d):
     return tiny.StepKeyedModel(w, d, 1, BATCH, "adam_schedule")
 
 
-def _ready_patch(ready: int):
-    """Patch, in a worker's process, `StepExchange.ready_prefix` to say `ready` (how many
-    buckets are in when the step is decided: 1 of 2 applies the step in two
-    updates, bucket 1's mean read between them) whatever the timing, and count the
-    replicas' applies at once ("whole") and in parts ("part"). `unpatch` undoes it."""
-    def patch(worker):
-        from dsgd.comm import ps_client
-
-        ps_client.StepExchange._real = {"ready_prefix": ps_client.StepExchange.ready_prefix}
-        ps_client.StepExchange.ready_prefix = lambda self: ready
-        worker.applies = {"whole": 0, "part": 0}
-        replicas = worker.replicas
-        whole, part = replicas.apply, replicas.apply_stage
-
-        def count(kind, fn):
-            def counted(*args):
-                worker.applies[kind] += 1
-                return fn(*args)
-            return counted
-
-        replicas.apply, replicas.apply_stage = count("whole", whole), count("part", part)
-    return patch
-
-
 def run_steps(sgd, ready: int) -> list[dict]:
     """STEPS steps, one `sgd.step()` each (so no step is kept for the next one's
     compiled call), with every worker's ready_prefix saying `ready`; returns
     each worker's applies {"whole": n, "part": n}."""
-    sgd.foreach_worker(_ready_patch(ready))
+    sgd.foreach_worker(ready_patch(ready))
     try:
         for _ in range(STEPS):
             sgd.step()

@@ -203,10 +203,7 @@ class ExchangeSession:
         start = time.perf_counter()
         label = f"step {self.applied_steps + 1}"
         try:
-            batches, samples = self._batches(data)
-            data_s = time.perf_counter() - start
-            self.begin_compute()
-            computed = self.replicas.compute(batches) if batches is not None else None
+            computed, samples, data_s = self._compute_whole(data, start)
         except Exception as e:
             # Tell the other workers (no gradient, this error) so that they stop now
             # rather than wait for this worker's gradient until they time out.
@@ -216,7 +213,7 @@ class ExchangeSession:
             except Exception:  # noqa: BLE001 - this worker's own error is the one to report
                 pass
             raise
-        if batches is None:
+        if computed is None:
             means, metas = client.step(layout, None, commit.meta(self.worker_index, None, None),
                                        seq, label)
             commit.decide(metas, on_nonfinite)  # raises unless every worker's epoch ended
@@ -238,6 +235,17 @@ class ExchangeSession:
         exchanged = self._apply_decided(decision, means, report, sent)
         self._record_step(seq, start, start + data_s, sent, exchanged)
         return report
+
+    def _compute_whole(self, data, start: float) -> tuple:
+        """Phases data and compute with the gradient sent once computed (not
+        overlapped): (the compiled step's outputs, or None at the end of the
+        data; samples; data_s). Raises what they raise."""
+        batches, samples = self._batches(data)
+        data_s = time.perf_counter() - start
+        if batches is None:
+            return None, samples, data_s
+        self.begin_compute()
+        return self.replicas.compute(batches), samples, data_s
 
     def _overlapped_step(self, data, seq: int) -> dict:
         """`_step_after_backward` with the gradient leaving during the backward pass, in
@@ -463,10 +471,7 @@ class ExchangeSession:
         pieces, mine = None, None
         if answer is None:  # on time: compute, then arrive at the choice
             try:
-                batches, samples = self._batches(data)
-                data_s = time.perf_counter() - start
-                self.begin_compute()
-                computed = self.replicas.compute(batches) if batches is not None else None
+                computed, samples, data_s = self._compute_whole(data, start)
             except Exception as e:
                 try:  # (chosen, it stops the others at once: commit.decide names it)
                     chosen, _, chosen_me = client.choose(
