@@ -31,7 +31,7 @@ import numpy as np
 
 from dsgd.comm import timeline
 from dsgd.comm.sharding import ExchangeLayout, to_wire
-from dsgd.comm.waits import actor_died_errors, dead_owners
+from dsgd.comm.waits import actor_died_errors, dead_owners, fetch, outcomes, ready
 from dsgd.errors import StepTimeoutError
 
 # While waiting, how often the client looks at its peers (seconds).
@@ -218,7 +218,7 @@ class PSClient:
         # in the wait is found too.
         pings: dict = {}
         while pending:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+            _, pending = ready(pending, POLL_S)
             if not pending:
                 break
             if self.peers is not None:
@@ -226,10 +226,9 @@ class PSClient:
                     if r != self.rank and r not in pings and (watch is None or r in watch):
                         pings[r] = peer.ping.remote()
                 for r, ping in list(pings.items()):
-                    ready, _ = ray.wait([ping], timeout=0)
-                    if ready:
+                    if ready([ping])[0]:
                         try:
-                            ray.get(ping, timeout=POLL_S)
+                            fetch(ping, f"{self.what} {label}: worker {r}'s ping", POLL_S)
                         except actor_died_errors():
                             raise died(f"{self.what} {label}: worker {r} died") from None
                         except Exception:  # noqa: BLE001 - alive (its call failed): ask again
@@ -238,7 +237,7 @@ class PSClient:
             if time.monotonic() - start > self.timeout_s:
                 raise self._timeout(refs, owners, pending, seq, label, kind)
         try:
-            return ray.get(list(refs), timeout=max(1.0, self.timeout_s))
+            return fetch(list(refs), f"{self.what} {label}", max(1.0, self.timeout_s))
         except actor_died_errors() as e:
             dead = dead_owners(refs, owners)
             who = ", ".join(self.names[j] for j in dead) or "a PS actor"
@@ -254,18 +253,16 @@ class PSClient:
                  label: str, kind: str) -> StepTimeoutError:
         """Who did not arrive: the PS actors whose answer is pending but which hold
         every part (hung), and the workers that the other PS actors still miss."""
-        import ray
 
         late_ps = sorted({owners[refs.index(r)] for r in pending})
         missing: set[int] = set()
         if seq is not None:
             asked = {j: self.ps[j].missing_ranks.remote(kind, seq) for j in late_ps}
-            ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=POLL_S)
+            answered, _ = ready(list(asked.values()), POLL_S)
             for j, ref in asked.items():
-                if ref in ready:
-                    try:
-                        absent = ray.get(ref)
-                    except Exception:  # noqa: BLE001 - a PS that cannot say stays named
+                if ref in answered:
+                    absent = outcomes([ref], f"{self.names[j]}'s missing ranks")[0]
+                    if isinstance(absent, Exception):  # a PS that cannot say stays named
                         continue
                     if absent:  # the PS waits for workers: they are late, not it
                         missing.update(absent)
@@ -346,11 +343,10 @@ class StepExchange:
         While waiting, reads the means already summed (`collect`). Blocks, at
         most the client's `timeout_s`; a dead peer or PS 0 ends the wait at once
         (nothing of the step is applied anywhere before this)."""
-        import ray
 
         client = self.client
         ref = client.ps[0].gather.remote(self.seq, client.rank, client.world, meta)
-        if not ray.wait([ref], timeout=0, fetch_local=False)[0]:
+        if not ready([ref], fetch_local=False)[0]:
             self.collect()
         return client._wait([ref], [0], self.seq, self.label, kind="gather")[0]
 
@@ -376,20 +372,18 @@ class StepExchange:
         """Read, in one call each, every group's answer and mean that is in already
         (kept for `mean`); a group whose answer failed is left to `mean`. Does
         not block."""
-        import ray
 
         waiting = [(g, a) for g, a in enumerate(self.answers)
                    if a is not None and g not in self._means]
         if not waiting:
             return
-        ready = set(ray.wait([a for _, a in waiting], num_returns=len(waiting), timeout=0,
-                             fetch_local=False)[0])
-        groups = [g for g, a in waiting if a in ready]
+        answered = set(ready([a for _, a in waiting], fetch_local=False)[0])
+        groups = [g for g, a in waiting if a in answered]
         if not groups:
             return
         try:
-            results = ray.get([self.answers[g] for g in groups], timeout=self.client.timeout_s)
-            means = ray.get([r[0] for r in results], timeout=self.client.timeout_s)
+            results = fetch([self.answers[g] for g in groups], self.label, self.client.timeout_s)
+            means = fetch([r[0] for r in results], self.label, self.client.timeout_s)
         except Exception:  # noqa: BLE001 - a failed group is `mean`'s to name or average
             return
         for g, m in zip(groups, means):
@@ -406,7 +400,6 @@ class StepExchange:
         other error is raised. Waits for every group's answer before pulling (the
         means of a stage come from the PS's last sums, close together). Blocks,
         at most the client's `timeout_s`; a dead peer or PS ends the wait at once."""
-        import ray
 
         client = self.client
         todo = [g for g in groups if g not in self._means and self.answers[g] is not None]
@@ -416,7 +409,7 @@ class StepExchange:
             answers = client._wait([self.answers[g] for g in todo],
                                    [self.layout.ps_of_group[g] for g in todo], self.seq,
                                    self.label, watch=self.chosen)
-            means = ray.get([a[0] for a in answers], timeout=max(1.0, client.timeout_s))
+            means = fetch([a[0] for a in answers], self.label, max(1.0, client.timeout_s))
         except actor_died_errors():  # (ObjectLostError included) each group is `mean`'s
             return
         for g, m in zip(todo, means):
@@ -452,7 +445,8 @@ class StepExchange:
         try:
             result_ref = client._wait([self.answers[g]], [ps], self.seq, self.label,
                                       watch=self.chosen)[0][0]
-            means = ray.get(result_ref, timeout=max(1.0, client.timeout_s))
+            means = fetch(result_ref, f"{self.label}: group {g}'s mean",
+                          max(1.0, client.timeout_s))
         except (*actor_died_errors(), ray.exceptions.ObjectLostError) as e:
             dead = getattr(e, "dead_ps", None)
             if dead is not None and ps not in dead:
@@ -473,7 +467,6 @@ class StepExchange:
         contributor's), computed here as its PS would (the PS died): each peer
         is asked for its part (`Worker.parts_of`).
         Blocks, at most the client's `timeout_s`."""
-        import ray
 
         from dsgd.comm.means import group_means
 
@@ -484,11 +477,12 @@ class StepExchange:
         ranks = range(client.world) if self.chosen is None else self.chosen
         asked = [None if r == client.rank else client.peers[r].parts_of.remote(self.seq, g)
                  for r in ranks]
-        refs = [[self.parts[g]] if r == client.rank else ray.get(a, timeout=client.timeout_s)
+        what = f"{self.label}: the workers' parts of group {g}"
+        refs = [[self.parts[g]] if r == client.rank else fetch(a, what, client.timeout_s)
                 for r, a in zip(ranks, asked)]
         if any(r is None or r[0] is None for r in refs):
             raise RuntimeError(f"a worker no longer holds its part of group {g}")
-        parts = ray.get([r[0] for r in refs], timeout=client.timeout_s)
+        parts = fetch([r[0] for r in refs], what, client.timeout_s)
         return group_means(self.layout.shards(g), parts)
 
 
@@ -534,17 +528,13 @@ def collect_timeline_events(actors: Sequence, timeout_s: float) -> list[dict]:
     """(driver side) Every actor's timeline events since the last such call, in
     `actors` order; an actor that does not answer within `timeout_s` (or died)
     is left out, its events lost with it. Blocks, at most `timeout_s`."""
-    import ray
 
     refs = [timeline_events(a) for a in actors]
-    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0])
+    answered = ready(refs, timeout_s)[0]
     events: list[dict] = []
-    for ref in refs:
-        if ref in ready:
-            try:
-                events += ray.get(ref, timeout=timeout_s)
-            except Exception:  # noqa: BLE001 - a dead actor's events are lost with it
-                pass
+    for answer in outcomes(answered, "timeline events", timeout_s):
+        if not isinstance(answer, Exception):  # a dead actor's events are lost with it
+            events += answer
     return events
 
 
@@ -552,15 +542,12 @@ def waiting(ps: Sequence, timeout_s: float) -> dict[int, set[int]]:
     """(driver side) {exchange number: ranks not arrived} over every live PS in
     `ps`, for the exchanges some worker waits in; PS actors that do not answer
     within `timeout_s` are left out. Blocks, at most `timeout_s`."""
-    import ray
 
     refs = [p.waiting.remote() for p in ps if p is not None]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     missing: dict[int, set[int]] = {}
-    for ref in ready:
-        try:
-            for seq, ranks in ray.get(ref).items():
-                missing.setdefault(seq, set()).update(ranks)
-        except Exception:  # noqa: BLE001 - a PS that cannot say is named by the timeout
-            pass
+    for answer in outcomes(ready(refs, timeout_s)[0], "the PS actors' waiting exchanges"):
+        if isinstance(answer, Exception):  # a PS that cannot say is named by the timeout
+            continue
+        for seq, ranks in answer.items():
+            missing.setdefault(seq, set()).update(ranks)
     return missing

@@ -3,6 +3,7 @@ much a run should warm."""
 
 from __future__ import annotations
 
+from dsgd.comm.waits import fetch
 
 # madvise(2) advice (Linux >= 5.14): fault in every page of a range, writable,
 # without reading or writing its contents.
@@ -50,7 +51,7 @@ def warm(max_bytes: int) -> int:
     if max_bytes <= 0:
         return 0
     if not store_mappings():
-        ray.get(ray.put(np.zeros(1024, np.uint8)), timeout=30)  # maps the store
+        fetch(ray.put(np.zeros(1024, np.uint8)), "mapping the object store", 30)  # maps it
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     done = 0

@@ -1,10 +1,18 @@
 """Waiting on remote work with a deadline, naming whoever is late.
 
-One implementation for the driver (waiting on workers and PS actors) and for
-the Ray Train exchange (a worker waiting on PS actors). While a wait is
-pending, a stall report naming the late owners is logged every `stall_s`
-seconds; at the deadline `StepTimeoutError` names them and carries them in
-its `late` attribute (the driver kills and replaces hung actors from it).
+Every remote wait of the package is one of these (benchmarks/structure.py
+counts the others; the target is none that blocks):
+- `await_all` / `get_all` / `next_all`: a deadline on every answer of a set of
+  actors. While a wait is pending, a stall report naming the late owners is
+  logged every `stall_s` seconds; at the deadline `StepTimeoutError` names them
+  and carries them in its `late` attribute (the driver kills and replaces hung
+  actors from it).
+- `ready`: which of some refs are ready within at most `timeout_s` (0: now,
+  without blocking), for loops that decide themselves what to do with the rest
+  (they keep their own deadline and name the late themselves). Raises nothing.
+- `fetch` / `outcomes`: the values of refs, with a deadline (`FETCH_S` for refs
+  `ready` found ready); a timeout is a `StepTimeoutError` naming what was
+  fetched.
 """
 
 from __future__ import annotations
@@ -24,6 +32,51 @@ def actor_died_errors() -> tuple:
 
     return tuple(getattr(rx, n) for n in ("RayActorError", "ObjectLostError", "OwnerDiedError",
                                           "WorkerCrashedError", "NodeDiedError") if hasattr(rx, n))
+
+
+# A ref found ready is fetched within this (its object may be on another node).
+FETCH_S = 10.0
+
+
+def ready(refs: Sequence, timeout_s: float = 0.0, *, num_returns: int | None = None,
+          fetch_local: bool = True) -> tuple[list, list]:
+    """`(ready, pending)` of the ObjectRefs (or streaming generators) `refs`,
+    in their order, once `num_returns` of them (default: all) are ready or after
+    `timeout_s` seconds (0: at once, without blocking). Fetches nothing
+    (`fetch_local=False`: not even into this node's store) and raises nothing."""
+    import ray
+
+    refs = list(refs)
+    if not refs:
+        return [], []
+    return ray.wait(refs, num_returns=len(refs) if num_returns is None else num_returns,
+                    timeout=max(0.0, timeout_s), fetch_local=fetch_local)
+
+
+def fetch(refs, what: str, timeout_s: float = FETCH_S):
+    """`ray.get` of one ObjectRef or a list of them within `timeout_s` seconds;
+    remote errors propagate as `ray.get` raises them, and a timeout is a
+    `StepTimeoutError` naming `what` (with no `late` actors: it is raised, not
+    recovered from). The values are the store's (read-only arrays stay views of
+    the object while they live)."""
+    import ray
+
+    try:
+        return ray.get(refs, timeout=max(0.0, timeout_s))
+    except ray.exceptions.GetTimeoutError:
+        raise StepTimeoutError(f"{what}: no answer after {timeout_s:.1f} s") from None
+
+
+def outcomes(refs: Sequence, what: str, timeout_s: float = FETCH_S) -> list:
+    """`fetch` of each ref in `refs` alone: its value, or the exception it raised
+    (a timeout included), in order. For loops that sort answers from errors."""
+    out = []
+    for ref in refs:
+        try:
+            out.append(fetch(ref, what, timeout_s))
+        except Exception as e:  # noqa: BLE001 - returned, for the caller to sort
+            out.append(e)
+    return out
 
 
 def await_all(refs: Sequence, owners: Sequence, what: str, timeout_s: float, *,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from dsgd.comm.waits import fetch
 from dsgd.data.batching import check_numeric, num_rows, split, take_rows
 from dsgd.data.stream import BlockStream
 from dsgd.errors import DsgdError
@@ -95,9 +96,8 @@ class StreamLoader:
         self.transform, self.timeout_s = transform, timeout_s
 
     def batches(self, arg: RowSpans, num_devices: int):
-        import ray
 
-        blocks = ray.get(arg.refs, timeout=self.timeout_s)
+        blocks = fetch(arg.refs, f"the blocks of rows {arg.first_row}..", self.timeout_s)
         batch = take_rows(blocks, arg.spans)
         where = f"rows {arg.first_row}..{arg.first_row + arg.rows - 1} of the data"
         return finish(batch, self.transform, num_devices, where)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from dsgd.comm.waits import fetch, outcomes, ready
 from dsgd.data.batching import show_signature, signature, stack
 from dsgd.errors import DsgdError, StepTimeoutError
 
@@ -199,23 +200,20 @@ class BlockStream:
 
     def _collect(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for pending downloads; keep the finished ones."""
-        import ray
 
         if not self._pending:
             return
         counts = {refs[0]: block for block, refs in self._pending.items()}
-        done, rest = ray.wait(list(counts), num_returns=1, timeout=timeout_s)
+        done, rest = ready(list(counts), timeout_s, num_returns=1)
         if done and rest:
-            done += ray.wait(rest, num_returns=len(rest), timeout=0)[0]
+            done += ready(rest)[0]
         for ref in done:
             block = counts[ref]
             try:
-                count, block_signature = ray.get(ref)
+                count, block_signature = fetch(ref, f"the count of block {block}")
             except Exception as e:  # noqa: BLE001 - kept, raised when the block is needed
-                try:  # the block failed too: read it, so Ray does not log it as unhandled
-                    ray.get(self._pending.pop(block)[1], timeout=timeout_s)
-                except Exception:  # noqa: BLE001
-                    pass
+                # the block failed too: read it, so Ray does not log it as unhandled
+                outcomes([self._pending.pop(block)[1]], f"block {block}", timeout_s)
                 self._failed[block] = e
                 continue
             self.downloaded_items += count

@@ -274,13 +274,11 @@ class ActorSet:
         Returns ({slot: ping info, or None if dead}, [dead PS indices]).
         An actor that neither answers nor dies in `timeout_s` is hung: with
         `kill_hung` it is killed and reported dead, otherwise StepTimeoutError."""
-        import ray
 
         died = waits.actor_died_errors()
         handles = self._workers + [p for p in self._ps if p is not None]
         refs = [h.ping.remote() for h in handles]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        ready_ids = {r.hex() for r in ready}
+        ready_ids = {r.hex() for r in waits.ready(refs, timeout_s)[0]}
         answers = []
         for handle, ref in zip(handles, refs):
             if ref.hex() not in ready_ids:
@@ -293,7 +291,8 @@ class ActorSet:
                 answers.append(None)
                 continue
             try:
-                answers.append(ray.get(ref, timeout=timeout_s))
+                answers.append(waits.fetch(ref, f"recovering: {self.name(handle)}'s ping",
+                                           timeout_s))
             except died:
                 answers.append(None)
         workers = dict(zip(self._slots, answers[:len(self._workers)]))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 
-from dsgd.comm.waits import actor_died_errors
+from dsgd.comm.waits import actor_died_errors, fetch, ready
 from dsgd.errors import StepTimeoutError
 
 logger = logging.getLogger("dsgd")
@@ -104,12 +104,10 @@ class Stragglers:
         arrived and the applies it owes have run; one found dead (or whose owed
         apply failed: its weights would no longer be the others') is recorded
         as dead, to be replaced. Does not wait."""
-        import ray
 
         if self._busy:
             waiting = [entry[2] for entry in self._busy.values()]
-            ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
-            ready_ids = {id(r) for r in ready}
+            ready_ids = {id(r) for r in ready(waiting)[0]}
             for key, (handle, slot, pending, count_rows) in list(self._busy.items()):
                 if id(pending) in ready_ids:
                     del self._busy[key]
@@ -156,11 +154,11 @@ class Stragglers:
 
         try:
             if isinstance(pending, ray.ObjectRefGenerator):
-                info = ray.get(next(pending), timeout=10.0)
+                info = fetch(next(pending), f"late worker {slot}'s report")
                 if count_rows and isinstance(info, dict) and "samples" in info:
                     self.count_dropped(slot, int(info["samples"]))
             else:
-                value = ray.get(pending, timeout=10.0)
+                value = fetch(pending, f"late worker {slot}'s answer")
                 if self.on_result is not None and not any(r is pending for r in
                                                           self._owed.get(id(handle), [])):
                     if not self._accepted(handle, slot, value):
@@ -172,14 +170,13 @@ class Stragglers:
             return
         owed = self._owed.get(id(handle), [])
         if owed:
-            ready, _ = ray.wait(owed, num_returns=len(owed), timeout=0)
-            if len(ready) < len(owed):
+            if len(ready(owed)[0]) < len(owed):
                 # Its report is in, its owed applies are still running: late until the
                 # last of them (Ray runs them in order) has run.
                 self._busy[id(handle)] = (handle, slot, owed[-1], False)
                 return
             try:
-                values = ray.get(owed, timeout=10.0)
+                values = fetch(owed, f"the applies worker {slot} owed")
             except Exception as e:  # noqa: BLE001 - died, or an apply that failed
                 logger.warning("worker %d: an apply it owed failed (%s: %s); it is replaced in "
                                "the background", slot, type(e).__name__, str(e)[:200])
@@ -212,13 +209,11 @@ class Stragglers:
         """Block until every late worker has reported and applied what it owes (at
         most `timeout_s`, then StepTimeoutError naming them): before a step every
         worker must take part in (the first of a Ray Data epoch)."""
-        import ray
 
         deadline = time.monotonic() + timeout_s
         while self._busy and time.monotonic() < deadline:
             waiting = [entry[2] for entry in self._busy.values()]
-            ray.wait(waiting, num_returns=len(waiting),
-                     timeout=max(0.001, deadline - time.monotonic()))
+            ready(waiting, deadline - time.monotonic())
             self.free([], [])
         if self._busy:
             late = [entry[0] for entry in self._busy.values()]

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsgd.comm.waits import fetch
+
 
 class LocalActorClass:
     """`ray.remote(cls)` for local mode: `.options(...).remote(*args)` builds
@@ -68,7 +70,8 @@ def _resolved(args: tuple) -> list:
 
     refs = [i for i, a in enumerate(args) if isinstance(a, ray.ObjectRef)]
     out = list(args)
-    for i, value in zip(refs, ray.get([args[i] for i in refs]) if refs else []):
+    for i, value in zip(refs, fetch([args[i] for i in refs], "the call's arguments")
+                        if refs else []):
         out[i] = value
     return out
 
@@ -76,4 +79,5 @@ def _resolved(args: tuple) -> list:
 def _resolved_kwargs(kwargs: dict) -> dict:
     import ray
 
-    return {k: ray.get(v) if isinstance(v, ray.ObjectRef) else v for k, v in kwargs.items()}
+    return {k: fetch(v, f"the call's argument {k}") if isinstance(v, ray.ObjectRef) else v
+            for k, v in kwargs.items()}

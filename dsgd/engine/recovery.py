@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from dsgd import constants
 from dsgd.config import Config
+from dsgd.comm import waits
 from dsgd.comm.waits import actor_died_errors
 from dsgd.engine import failures, launch
 from dsgd.engine.backups import Stragglers
@@ -316,21 +317,20 @@ class Recovery:
                                "record": record}
 
     def _admit(self, slot: int, joiner: dict) -> None:
-        import ray
 
         handle = joiner["handle"]
         if joiner["configure"] is None:
-            if not ray.wait([joiner["setup"]], timeout=0)[0]:
+            if not waits.ready([joiner["setup"]])[0]:
                 self._check_start_time(slot, joiner)
                 return
-            joiner["info"] = ray.get(joiner["setup"], timeout=self.config.step_timeout_s)
+            joiner["info"] = waits.fetch(joiner["setup"], f"worker {slot}'s setup")
             self.launcher.check_joiner(joiner["info"], slot)
             joiner["configure"] = handle.configure.remote(
                 self.topology.plan, self.config.on_nonfinite, self.topology.warm_store_bytes)
-        if not ray.wait([joiner["configure"]], timeout=0)[0]:
+        if not waits.ready([joiner["configure"]])[0]:
             self._check_start_time(slot, joiner)
             return
-        ray.get(joiner["configure"], timeout=self.config.step_timeout_s)
+        waits.fetch(joiner["configure"], f"worker {slot}'s configure")
         workers = self.actors.workers
         free = self.stragglers.free(workers, self.actors.slots)
         source = workers[free[0] if free else 0]

@@ -20,7 +20,7 @@ import time
 
 from dsgd.comm import timeline
 from dsgd.comm.means import group_means
-from dsgd.comm.waits import actor_died_errors
+from dsgd.comm.waits import actor_died_errors, fetch, ready
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
 from dsgd.engine.backups import Stragglers
@@ -168,7 +168,6 @@ class ExchangeStep:
         are given the step as soon as they are free (they have applied every
         step before it by then), and only when none is left does the death
         become a failure to recover from."""
-        import ray
 
         died = actor_died_errors()
         pending: dict[int, int] = {}  # id(stream) -> index into workers
@@ -185,10 +184,10 @@ class ExchangeStep:
             self._recruit(pending, streams, wait=False)
             busy = self.stragglers.busy_objects(self.workers)
             waiting = [streams[key] for key in pending]
-            ready, _ = ray.wait(waiting + busy, num_returns=1,
-                                timeout=min(self.time_left(), self.config.stall_report_s))
-            ready = [r for r in ready if id(r) in pending]
-            if not ready:
+            answered = ready(waiting + busy, min(self.time_left(), self.config.stall_report_s),
+                             num_returns=1)[0]
+            answered = [r for r in answered if id(r) in pending]
+            if not answered:
                 if self.time_left() <= 0.001:
                     late = [self.workers[k] for k in pending.values()]
                     raise StepTimeoutError(
@@ -196,22 +195,22 @@ class ExchangeStep:
                         f"answered in {self.config.step_timeout_s:.1f} s; no answer from "
                         f"{', '.join(sorted(self.actors.name(w) for w in late))}", late)
                 continue
-            for stream in ready:
+            for stream in answered:
                 k = pending.pop(id(stream))
                 try:
-                    arrived[k] = ray.get(next(stream), timeout=self.time_left())
+                    arrived[k] = fetch(next(stream), f"{what}: worker {self.slots[k]}'s report",
+                                       self.time_left())
                 except died as e:
                     self._dead.append(k)
                     self._died_error = e
                     self.stragglers.dead(self.workers[k], self.slots[k])
         # Workers whose report is in too are dropped on time, the rest are late.
         if pending:
-            ready, _ = ray.wait([streams[key] for key in pending], num_returns=len(pending),
-                                timeout=0)
-            for stream in ready:
+            for stream in ready([streams[key] for key in pending])[0]:
                 k = pending.pop(id(stream))
                 try:
-                    self._extra[k] = ray.get(next(stream), timeout=self.time_left())
+                    self._extra[k] = fetch(next(stream),
+                                           f"{what}: worker {self.slots[k]}'s report")
                 except died:
                     self._dead.append(k)
                     self.stragglers.dead(self.workers[k], self.slots[k])
@@ -228,7 +227,6 @@ class ExchangeStep:
         """Give the step to late workers as they become free (with `wait`, waits
         for one, at most what is left of the step's time). False when none was
         given it (and, with `wait`, no worker is left to ask)."""
-        import ray
 
         while True:
             free = [k for k in self.stragglers.free(self.workers, self.slots)
@@ -244,7 +242,7 @@ class ExchangeStep:
             busy = self.stragglers.busy_objects(self.workers)
             if not wait or not busy or self.time_left() <= 0.001:
                 return False
-            ray.wait(busy, num_returns=1, timeout=self.time_left())
+            ready(busy, self.time_left(), num_returns=1)
 
     def _dead_error(self) -> BaseException:
         """Too few workers left for the step: the death (recovered like any), or,

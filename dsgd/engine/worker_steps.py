@@ -23,7 +23,7 @@ import logging
 import time
 
 from dsgd.comm import ps_client, timeline
-from dsgd.comm.waits import actor_died_errors
+from dsgd.comm.waits import actor_died_errors, fetch, outcomes, ready
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
 from dsgd.engine.backups import Stragglers
@@ -198,12 +198,12 @@ class WorkerSteps:
         from the record of every worker's meta of the worker at position
         `survivor` (Worker.recent_reports); empty if it cannot say (their rows
         are then left out)."""
-        import ray
 
         survivor = self.workers[survivor]
         try:
-            metas = ray.get(survivor.recent_reports.remote(self.seqs),
-                            timeout=self.config.step_timeout_s)
+            metas = fetch(survivor.recent_reports.remote(self.seqs),
+                          f"{self.label}: {self.actors.name(survivor)}'s record of the metas",
+                          self.config.step_timeout_s)
         except Exception:  # noqa: BLE001 - the survivors' rows still count the step
             return {}
         rows = {}
@@ -228,7 +228,6 @@ class WorkerSteps:
         a hung one past step_timeout_s named or replaced). None when a call
         failed (an error, a failed exchange, no reporter left): the caller then
         goes on as without backup workers, from what was read (`_partial`)."""
-        import ray
 
         refs = self._refs
         died = actor_died_errors()
@@ -241,14 +240,12 @@ class WorkerSteps:
             now = time.perf_counter()
             if now >= deadline:
                 break
-            ready, pending = ray.wait(pending, num_returns=1,
-                                      timeout=min(deadline - now, self.config.stall_report_s))
-            for ref in ready:
-                k = index[ref.hex()]
-                try:
-                    outcome[k] = ray.get(ref, timeout=self.config.step_timeout_s)
-                except Exception as e:  # noqa: BLE001 - a death or the worker's own error
-                    outcome[k] = e
+            answered, pending = ready(pending, min(deadline - now, self.config.stall_report_s),
+                                      num_returns=1)
+            # each a report, a death or the worker's own error
+            for ref, out in zip(answered, outcomes(answered, self.label,
+                                                   self.config.step_timeout_s)):
+                outcome[index[ref.hex()]] = out
             if any(not isinstance(out, died) and _failed(out) for out in outcome.values()):
                 break
             answers = [k for k in self._reporters if isinstance(outcome.get(k), dict)]
@@ -256,19 +253,15 @@ class WorkerSteps:
                 answer = outcome[answers[0]]
             elif all(isinstance(outcome.get(k), died) for k in self._reporters):
                 break  # no reporter left to say what the steps were
-            elif not ready:
+            elif not answered:
                 self.actors.check_open(self.label)
                 self._stall_report(pending, index, time.perf_counter() - self._clock)
         if answer is None:
             self._partial = (outcome, pending)
             return None
-        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0) if pending \
-            else ([], [])
-        for ref in ready:
-            try:
-                outcome[index[ref.hex()]] = ray.get(ref, timeout=self.config.step_timeout_s)
-            except Exception as e:  # noqa: BLE001 - as above
-                outcome[index[ref.hex()]] = e
+        answered, pending = ready(pending)
+        for ref, out in zip(answered, outcomes(answered, self.label, self.config.step_timeout_s)):
+            outcome[index[ref.hex()]] = out
         self._refs = None
         for k, out in sorted(outcome.items()):
             handle, slot = self.workers[k], self.actors.slots[k]
@@ -331,13 +324,13 @@ class WorkerSteps:
         """`rows` (from a worker that was no reporter) with each step's contributors,
         read from a survivor's record of the steps' metas (Worker.recent_reports);
         unchanged when none can say."""
-        import ray
 
         survivors = [k for k, out in outcome.items() if isinstance(out, (dict, list))]
         for k in survivors:
             try:
-                metas = ray.get(self.workers[k].recent_reports.remote(self.seqs),
-                                timeout=self.config.step_timeout_s)
+                metas = fetch(self.workers[k].recent_reports.remote(self.seqs),
+                              f"{self.label}: worker {k}'s record of the metas",
+                              self.config.step_timeout_s)
             except Exception:  # noqa: BLE001 - another survivor may say
                 continue
             return [(decision, sorted(m["slot"] for m in metas[seq] if m is not None)
@@ -393,10 +386,7 @@ class WorkerSteps:
         """Every worker's reports (or the exception its call raised), by position;
         and the positions still pending: hung, or past the grace after a failure.
         (`outcome`, `pending`: what `_finish_backups` read already.)"""
-        import ray
-
         refs, self._refs = self._refs, None
-        died = actor_died_errors()
         index = {ref.hex(): k for k, ref in enumerate(refs)}
         outcome = dict(outcome or {})
         pending = list(refs) if pending is None else list(pending)
@@ -412,16 +402,11 @@ class WorkerSteps:
             end = deadline if abandoned_at is None else min(deadline, abandoned_at + FAILURE_GRACE_S)
             if now >= end:
                 break
-            ready, pending = ray.wait(pending, num_returns=len(pending),
-                                      timeout=min(end - now, self.config.stall_report_s))
-            for ref in ready:
-                k = index[ref.hex()]
-                try:
-                    outcome[k] = ray.get(ref, timeout=self.config.step_timeout_s)
-                except died as e:
-                    outcome[k] = e
-                except Exception as e:  # noqa: BLE001 - the worker's own error, reported
-                    outcome[k] = e
+            answered, pending = ready(pending, min(end - now, self.config.stall_report_s))
+            # each a report, a death or the worker's own error (reported)
+            for ref, out in zip(answered, outcomes(answered, self.label,
+                                                   self.config.step_timeout_s)):
+                outcome[index[ref.hex()]] = out
             if abandoned_at is None and any(_failed(out) for out in outcome.values()):
                 # Workers still waiting in this attempt's exchanges return now.
                 if self.attempts.current == self.attempt:

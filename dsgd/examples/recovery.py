@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 import dsgd
+from dsgd.comm.waits import fetch
 
 
 class Keyed(dsgd.Model):
@@ -57,9 +58,8 @@ class Keyed(dsgd.Model):
 
 
 def kill(handle) -> int:
-    import ray
 
-    pid = ray.get(handle.ping.remote(), timeout=60)["pid"]
+    pid = fetch(handle.ping.remote(), "the worker's pid", 60)["pid"]
     os.kill(pid, signal.SIGKILL)
     return pid
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ray.train.backend import Backend, BackendConfig
 
 from dsgd import constants
+from dsgd.comm.waits import outcomes
 
 logger = logging.getLogger("dsgd")
 
@@ -154,7 +155,6 @@ class DsgdBackend(Backend):
         self.ps = []
 
     def _write_timeline(self, worker_group, backend_config: DsgdConfig) -> None:
-        import ray
 
         from dsgd.comm import timeline
         from dsgd.comm.ps_client import timeline_events
@@ -167,11 +167,11 @@ class DsgdBackend(Backend):
             refs += worker_group.execute_async(drain)
         except Exception as e:  # noqa: BLE001 - the group is gone (a restart after a death)
             logger.warning("dsgd.train: timeline: the workers' events are lost (%s)", e)
-        for ref in refs:
-            try:
-                self.events += ray.get(ref, timeout=backend_config.timeout_s)
-            except Exception as e:  # noqa: BLE001 - a dead actor's events are lost
+        for answer in outcomes(refs, "timeline events", backend_config.timeout_s):
+            if isinstance(answer, Exception):  # a dead actor's events are lost
                 logger.warning("dsgd.train: timeline: one process's events are lost (%s: %s)",
-                               type(e).__name__, e)
+                               type(answer).__name__, answer)
+            else:
+                self.events += answer
         timeline.write(backend_config.timeline, self.events)
         logger.info("dsgd.train: timeline written to %s", backend_config.timeline)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dsgd.comm.waits import fetch
 from dsgd.model import Model
 
 
@@ -303,7 +304,8 @@ def worker_batches(source: tuple):
 
         _, spans_list, transform, timeout_s = source
         for spans in spans_list:
-            batch = take_rows(ray.get(spans.refs, timeout=timeout_s), spans.spans)
+            blocks = fetch(spans.refs, f"validation rows from {spans.first_row}", timeout_s)
+            batch = take_rows(blocks, spans.spans)
             yield finish(batch, transform, 1, f"validation rows from {spans.first_row}")[0][0]
     elif source[0] == "ray":
         _, iterator, batch_size, transform = source[:4]
