@@ -1,9 +1,9 @@
 """Whether a step of the worker-driven exchange is applied: one pure decision,
 made by every worker from the same inputs.
 
-Each worker sends every PS a small `meta` with its gradient (its replicas'
+Each worker sends PS 0 a small `meta` once its gradient is computed (its replicas'
 finiteness, its metric names, or that its data ended its epoch) and receives
-every worker's back with the means (dsgd/comm/ps_client.py `PSClient.step`).
+every worker's back through PS 0 (dsgd/comm/ps_client.py `StepExchange.metas`).
 `decide` turns those metas into the step's fate before any replica applies
 anything; all workers decide alike, so replicas stay identical without asking
 the driver. The driver reads the same metas in the workers' reports.

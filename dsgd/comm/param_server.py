@@ -117,7 +117,6 @@ class ParameterServer:
     @ray.method(concurrency_group=RENDEZVOUS)
     def reduce(self, seq: int, rank: int, world: int, shards: tuple[Shard, ...],
                pieces: tuple[np.ndarray, ...] | None, scale: float | None = None,
-               meta: dict | None = None, needed: tuple[int, ...] | None = None,
                bucket: int | None = None, chosen_later: bool = False) -> list:
         """Worker `rank`'s part of exchange `seq`: its pieces of a group of shards
         (as `mean` takes one worker's group; read-only store views). Blocks
@@ -127,20 +126,14 @@ class ParameterServer:
         1.0 sums) and every call returns the same one-element list: the
         ObjectRef of the result, put in the store once for all callers instead of
         copied into each caller's reply. The result is a tuple with one array
-        per shard; with `meta` (the engine's steps: a small dict from every
-        worker, e.g. its gradient's finiteness) it is `(means, metas)`, metas in
-        rank order, and `pieces=None` from every worker (an epoch's end) sums
-        nothing: `(None, metas)`.
+        per shard, or None when a worker sent `pieces=None` (no gradient: an
+        epoch's end, an error; the engine's steps decide from the metas, which
+        PS 0 gathers apart, `gather` and `choose`).
 
         Exchange numbers carry an attempt in their high bits (`seq >> 32`): the
         first part of a newer attempt ends every pending exchange of older ones
         (their callers get an error), so a step retried after a failure never
         meets the parts of its failed attempt.
-
-        `needed` (backup workers: the contributors `choose` named, sorted): the
-        result is over those ranks' parts, metas in that order; a rank not in it
-        is an *observer*: it sends nothing (`pieces` is ignored) and receives the
-        same result. Every one of the `world` ranks still calls.
 
         `bucket`: which of the step's groups this is, where one PS serves several
         groups of one exchange (the overlapped exchange's buckets: each is its own
@@ -148,29 +141,26 @@ class ParameterServer:
 
         `chosen_later` (backup workers' overlapped steps: each bucket leaves
         during the backward pass, before the contributors are chosen): the part
-        is kept until `settle` names the contributors (or a call passes
-        `needed`); the sum is then over theirs and the other parts are dropped."""
+        is kept until `settle` names the contributors; the sum is then over
+        theirs and the other parts are dropped. Every one of the `world` ranks
+        calls."""
         import ray
 
-        if needed is None and not chosen_later:
-            needed = tuple(range(world))
+        needed = None if chosen_later else tuple(range(world))
 
         def combine(parts, ranks):
             # Summed into the reused scratch buffers (fresh pages would cost a first
             # touch each time), then put once; the lock keeps two exchanges that
             # finish together on this PS from sharing the scratch.
-            values = [parts[r][0] for r in ranks]
+            values = [parts[r] for r in ranks]
             with self._scratch_lock, timeline.recorder().span(
                     "sum group", "sum", exchange=seq & ((1 << ATTEMPT_SHIFT) - 1),
                     workers=len(ranks)):
                 means = None if any(v is None for v in values) else \
                     self._means(shards, values, scale)
-                if meta is None:
-                    return [ray.put(means)]
-                return [ray.put((means, [parts[r][1] for r in ranks]))]
+                return [ray.put(means)]
 
-        part = (pieces, meta) if needed is None or rank in needed else _OBSERVER
-        pieces = None
+        part, pieces = pieces, None  # (the meeting holds it, not this frame)
         key = ("reduce", seq) if bucket is None else ("reduce", seq, bucket)
         return self._rendezvous(key, rank, world, part, needed, combine)
 
@@ -335,7 +325,7 @@ class ParameterServer:
                         del self._pending[key]
 
     def _rendezvous(self, key: tuple, rank: int, world: int, part, needed, combine):
-        """`rank`'s `part` of exchange `key` (`_OBSERVER`: none); once the parts of
+        """`rank`'s `part` of exchange `key`; once the parts of
         every rank in `needed` are in, `combine(parts, needed)` makes the result
         that every rank of `world` gets. `needed` None: not known yet (`settle`
         tells it; until then any rank's part is kept). Blocks, at most
@@ -353,7 +343,7 @@ class ParameterServer:
             elif not meeting.settled:
                 meeting.needed = tuple(range(world))  # (until chosen, any of them may be)
             meeting.combine = meeting.combine or combine
-            if part is not _OBSERVER and (not meeting.settled or rank in meeting.needed):
+            if not meeting.settled or rank in meeting.needed:
                 meeting.parts[rank] = part
             part = None  # the meeting holds it (not this frame)
             last = meeting.claim()
@@ -406,8 +396,6 @@ class ParameterServer:
                 del self._pending[key]
         self._arrivals.notify_all()
 
-
-_OBSERVER = object()  # the part of a rank that takes an exchange's result without sending
 
 
 class _Rendezvous:

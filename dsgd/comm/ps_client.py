@@ -100,22 +100,13 @@ class PSClient:
                       scale: float | None = None, label: str | None = None) -> list[np.ndarray]:
         """`reduce` of arrays already cut as the plan says: `pieces[j]` holds shard
         j's pieces in wire dtype (the worker's compiled step makes them so)."""
-        return self._exchange(layout, pieces, self.next_seq(), scale, None, label)[0]
-
-    def step(self, layout: ExchangeLayout, pieces: Sequence[Sequence[np.ndarray]] | None,
-             meta: dict, seq: int, label: str) -> tuple[list[np.ndarray] | None, list[dict]]:
-        """One engine step's exchange, numbered `seq` (`sequence_number`): the mean
-        of every shard as `reduce_pieces` returns it, and every worker's `meta`
-        (rank order), which each PS receives with the gradients. `pieces=None`
-        (this worker's data ended its epoch) sends no gradient: the means are
-        then None. Blocks, at most `timeout_s`."""
-        return self._exchange(layout, pieces, seq, None, meta, label)
+        return self._exchange(layout, pieces, self.next_seq(), scale, label)
 
     def sending(self, layout: ExchangeLayout, seq: int, label: str) -> StepExchange:
         """One engine step's exchange, numbered `seq`, sent group by group while the
         step is computed (`StepExchange`: send each group as soon as it exists, then
         the metas, then read the means as they arrive). `layout`'s groups are
-        the buckets of `sharding.bucket_layout`."""
+        the step plan's buckets (`sharding.bucket_layout`'s, or the PS groups)."""
         return StepExchange(self, layout, seq, label)
 
     # -- backup workers: the first `need` of the workers make a step --------------------------
@@ -134,18 +125,7 @@ class PSClient:
         ref = self.ps[0].decided.remote(seq, self.rank, self.world)
         return self._wait([ref], [0], seq, label, kind="choose", watch=())[0]
 
-    def step_of(self, layout: ExchangeLayout, pieces: Sequence[Sequence[np.ndarray]] | None,
-                meta: dict, seq: int, label: str, contributors: Sequence[int]
-                ) -> tuple[list[np.ndarray] | None, list[dict]]:
-        """`step` over the `contributors` only (ranks, sorted, from `choose`): a
-        worker among them sends its `pieces`, any other only receives (its
-        `pieces` are not sent). The metas returned are the contributors'.
-        While waiting, only the contributors are watched for a death (a late
-        worker that dies is the driver's to replace, not this step's)."""
-        return self._exchange(layout, pieces if self.rank in contributors else None, seq,
-                              None, meta, label, tuple(contributors))
-
-    def _exchange(self, layout, pieces, seq: int, scale, meta, label, needed=None):
+    def _exchange(self, layout, pieces, seq: int, scale, label) -> list[np.ndarray]:
         import ray
 
         label = label or f"exchange {seq}"
@@ -155,30 +135,23 @@ class PSClient:
             start = time.time() if tl.on else 0.0
             # One object per group (pickle 5 copies each piece once into its place in
             # the store buffer): Ray's cost per object would dominate one per piece.
-            part = None if pieces is None else \
-                ray.put(tuple(piece for j in group for piece in pieces[j]))
+            part = ray.put(tuple(piece for j in group for piece in pieces[j]))
             ps = layout.ps_of_group[g]
             refs.append(self.ps[ps].reduce.remote(seq, self.rank, self.world, layout.shards(g),
-                                                  part, scale, meta, needed))
+                                                  part, scale))
             owners.append(ps)
             if tl.on:
-                tl.add(f"send group {g}" if part is not None else f"join group {g}", "send",
-                       start, time.time(), ps=ps, exchange=seq & _STEP_BITS)
+                tl.add(f"send group {g}", "send", start, time.time(), ps=ps,
+                       exchange=seq & _STEP_BITS)
         # Each PS answers with the ref of its group's result, put once for all workers;
         # reading it maps the store (no copy).
-        answers = self._wait(refs, owners, seq, label, watch=needed)
-        results = self._wait([a[0] for a in answers], owners, seq, label, watch=needed)
-        metas = None
-        if meta is not None:
-            metas = results[0][1]
-            results = [r[0] for r in results]
-        if any(r is None for r in results):
-            return None, metas
+        answers = self._wait(refs, owners, seq, label)
+        results = self._wait([a[0] for a in answers], owners, seq, label)
         means: list = [None] * layout.plan.num_shards
         for group, arrays in zip(layout.groups, results):
             for j, array in zip(group, arrays):
                 means[j] = array
-        return means, metas
+        return means
 
     def broadcast(self, value, root: int, label: str | None = None):
         """Rank `root`'s `value` (any picklable value; the others pass anything),

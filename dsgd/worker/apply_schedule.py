@@ -41,22 +41,6 @@ class ApplySchedule:
         self.deferred_applies = 0  # steps applied so, in all
         self._pending: _Pending | None = None
 
-    def _apply_decided(self, decision, means, report: dict, sent: float) -> float:
-        """Apply `means` if `decision` says so, and add the exchange and apply
-        times (from `sent`, the gradient leaving) and the decision to `report`.
-        Returns when the means were in (perf_counter)."""
-        from dsgd.comm import commit
-
-        exchanged = time.perf_counter()
-        if decision.action == commit.APPLY:
-            self.replicas.apply(means)
-            self.applied_steps += 1
-            self._freeze_gc_once()
-        report.update(exchange_s=exchanged - sent, apply_s=time.perf_counter() - exchanged,
-                      applied=decision.action == commit.APPLY, decision=decision.action,
-                      nonfinite=list(decision.nonfinite))
-        return exchanged
-
     def _apply_arriving(self, sending, buckets) -> float:
         """Apply the step's means as they arrive, in the order the backward pass
         made the buckets (bucket 0, the last layers', first): the buckets
@@ -76,19 +60,18 @@ class ApplySchedule:
         tl = timeline.recorder()
         step = sending.seq & ((1 << 32) - 1)
         count = len(buckets.groups)
-        if self.defer_apply and self._next_in_call and not self.replicas.eager:
+        if self.plan.may_defer and self.defer_apply and self._next_in_call \
+                and not self.replicas.eager:
             means = self._read_means(sending, buckets, tuple(range(count)))
             self._pending = _Pending(sending, [means[j] for j in range(len(means))], step)
-            return 0.0
-        ready = sending.ready_prefix()
-        nbytes = [sum(self.replicas.plan.shards[j].nbytes for j in g) for g in buckets.groups]
-        pending = sum(nbytes[ready:]) / max(1, sum(nbytes))
-        if self.replicas.per_group_blocker is not None:
-            stages = [tuple(range(count))]  # one update of everything
-        elif ready == 0 or pending < self.split_apply_min_share:
-            stages = [tuple(range(count))]
-        else:  # (two updates: more cost more than they hide, measured: benchmarks/README.md)
-            stages = [tuple(range(ready)), tuple(range(ready, count))]
+            return 0.0  # (counted in applied_steps once applied: `_pending_applied`)
+        stages = [tuple(range(count))]  # one update of everything, unless:
+        if self.plan.may_stage and self.replicas.per_group_blocker is None:
+            ready = sending.ready_prefix()
+            nbytes = [sum(self.replicas.plan.shards[j].nbytes for j in g) for g in buckets.groups]
+            if 0 < ready and sum(nbytes[ready:]) >= self.split_apply_min_share * sum(nbytes):
+                # (two updates: more cost more than they hide, measured: benchmarks/README.md)
+                stages = [tuple(range(ready)), tuple(range(ready, count))]
         groups = tuple(tuple(j for b in stage for j in buckets.groups[b]) for stage in stages)
         means: dict = {}
         apply_s, begun = 0.0, False
@@ -110,6 +93,7 @@ class ApplySchedule:
             if begun:
                 self._exit_partly_applied(e)
             raise
+        self.applied_steps += 1
         return apply_s
 
     def _read_means(self, sending, buckets, stage) -> dict:
@@ -139,6 +123,7 @@ class ApplySchedule:
         from dsgd.comm import timeline
 
         self._pending = None
+        self.applied_steps += 1
         self.deferred_applies += 1
         pending.sending.release_means()
         tl = timeline.recorder()
@@ -163,11 +148,17 @@ class ApplySchedule:
             self.replicas.apply(pending.shards)
         finally:
             pending.sending.release_means()
+        self.applied_steps += 1
         tl = timeline.recorder()
         if tl.on:
             to_wall = time.time() - time.perf_counter()
             tl.add(f"apply group {', '.join(map(str, range(len(self._buckets.groups))))}",
                    "apply", started + to_wall, time.perf_counter() + to_wall, step=pending.step)
+
+    def _step_number(self) -> int:
+        """The number of the step this worker is at: the steps it has applied, and
+        one decided and kept for the next call's update (`_Pending`), plus one."""
+        return self.applied_steps + (self._pending is not None) + 1
 
     def _exit_partly_applied(self, e: BaseException, step: int | None = None) -> None:
         import sys

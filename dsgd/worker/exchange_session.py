@@ -7,11 +7,28 @@ workers): `join` sets it up, `exchange_steps` runs steps through the PS actors
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import ray
 
 from dsgd.errors import picklable_error
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """How this worker's steps run, decided at `join` from what every worker is
+    told alike (so the same on every worker), and not changed until the next
+    `join`. One state machine runs every step from it (`_step`):
+    data -> compute and send -> arrive -> decide -> receive and apply -> record,
+    with "arrive without compute" for a late worker sitting a step out or one
+    whose data ended, and one abort (the step's exchange fails: nothing of it
+    was applied here; see `exchange_steps`)."""
+    buckets: object          # ExchangeLayout: the groups that leave, each to its PS
+    during_backward: bool    # buckets leave during the backward pass (else after it)
+    chosen: bool             # backup workers: PS 0 chooses each step's contributors
+    may_stage: bool          # the update may run in two stages as the means arrive
+    may_defer: bool          # ... or, whole, inside the next step's compiled call
 
 
 class ExchangeSession:
@@ -20,13 +37,12 @@ class ExchangeSession:
 
     def _init_exchange(self) -> None:
         self._exchange = None  # (PSClient, layout, on_nonfinite) after join()
-        self._buckets = None  # the overlapped exchange's buckets (join)
+        self.plan: StepPlan | None = None  # how the steps run (join)
         self._dead_ps: list[int] = []  # PS actors found dead by a fallback: replaced next
         self._late = False  # backup workers: dropped from the last step (exchange_steps)
         self._recent_metas: dict = {}  # exchange number -> every worker's meta (recent steps)
         self._sendings: dict = {}  # exchange number -> its StepExchange (this step's; the last's until
         # every worker has applied it)
-        self.overlap = False  # send the gradient during the backward pass (join)
         self.buckets_averaged_here = 0  # buckets this worker averaged itself (their PS died)
         self._next_in_call = False  # _run_exchange_steps: another step follows this one
         self._metas_kept = 0  # exchange_steps: how many of them to keep at least
@@ -40,22 +56,44 @@ class ExchangeSession:
         mean is over the first `need` workers to have their gradient (default:
         all). `timeline_on`: record this worker's steps for the timeline
         (dsgd/comm/timeline.py). `overlap`: send the gradient during the
-        backward pass (`_overlapped_step`). The driver
-        calls it after start-up and after every change of workers or PS actors."""
-        from dsgd import constants
+        backward pass (`StepPlan`). The driver
+        calls it after start-up and after every change of workers or PS actors.
+        Without `overlap` the buckets are `layout`'s groups (one message per PS
+        group, sent once the gradient is computed) and the update runs at once."""
         from dsgd.comm import timeline
         from dsgd.comm.ps_client import PSClient
-        from dsgd.comm.sharding import bucket_layout
 
         timeline.enable(f"worker {self.worker_index}", timeline_on)
         self._exchange = (PSClient(ps, ps_names, rank, len(peers), timeout_s,
                                    f"worker {self.worker_index}", peers=peers, need=need),
                           layout, on_nonfinite)
-        self._buckets = bucket_layout(layout, constants.BUCKET_MIN_BYTES)
         self.overlap = overlap
         self._sendings.clear()
         self._dead_ps = []
         self._late = False
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the plan's buckets leave during the backward pass (`join`)."""
+        return self.plan is not None and self.plan.during_backward
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        """Plan the steps of the exchange joined last (`StepPlan`), buckets leaving
+        during the backward pass or not; `join` calls it (tests and benchmarks
+        switch plans between calls with it)."""
+        from dsgd import constants
+        from dsgd.comm.sharding import bucket_layout
+
+        client, layout, _ = self._exchange
+        self.plan = StepPlan(
+            buckets=bucket_layout(layout, constants.BUCKET_MIN_BYTES) if on else layout,
+            during_backward=on, chosen=client.choosing, may_stage=on, may_defer=on)
+
+    @property
+    def _buckets(self):
+        """The plan's buckets (an ExchangeLayout)."""
+        return self.plan.buckets
 
     def exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool = False,
                        reporter: bool = False) -> list[dict] | dict:
@@ -67,7 +105,7 @@ class ExchangeSession:
         end) and applies the means before the next step. With `overlap` (`join`)
         each bucket leaves during the backward pass instead, the metas go to PS
         0 once the step is computed, and the means are applied as they arrive
-        (`_overlapped_step`). `seqs[i]` numbers step
+        (`_step`). `seqs[i]` numbers step
         i's exchange (the same on every worker); `datas` None: every step's
         batches from get_batch.
 
@@ -133,7 +171,7 @@ class ExchangeSession:
             # get_batch may read the model's state, e.g. its optimizer's iteration count)
             self._next_in_call = k + 1 < len(seqs) and datas[k + 1] is not None
             try:
-                info = self._step_after_backward(data, seq)
+                info = self._step(data, seq)
             except (*actor_died_errors(), StepTimeoutError, ExchangeAbandoned) as e:
                 self._halted_run = run
                 # Without its traceback: its frames hold the step's object refs (the
@@ -192,71 +230,17 @@ class ExchangeSession:
                 out["tallies"] = tallies
         return out
 
-    def _step_after_backward(self, data, seq: int) -> dict:
-        from dsgd.comm import commit
-
-        client, layout, on_nonfinite = self._exchange
-        if self.overlap:
-            return self._overlapped_step(data, seq)
-        if client.choosing:
-            return self._backup_step(data, seq)
-        start = time.perf_counter()
-        label = f"step {self.applied_steps + 1}"
-        try:
-            computed, samples, data_s = self._compute_whole(data, start)
-        except Exception as e:
-            # Tell the other workers (no gradient, this error) so that they stop now
-            # rather than wait for this worker's gradient until they time out.
-            try:
-                client.step(layout, None, commit.meta(self.worker_index, None, None, e), seq,
-                            label)
-            except Exception:  # noqa: BLE001 - this worker's own error is the one to report
-                pass
-            raise
-        if computed is None:
-            means, metas = client.step(layout, None, commit.meta(self.worker_index, None, None),
-                                       seq, label)
-            commit.decide(metas, on_nonfinite)  # raises unless every worker's epoch ended
-            return {"epoch_end": True}
-        losses, finite, flat_grads, metrics = computed
-        pieces = self.replicas.shard_pieces(flat_grads)
-        finite = finite.numpy().tolist()
-        report = {"losses": losses.numpy().tolist(), "finite": finite,
-                  "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
-                  "samples": samples, "data_s": data_s}
-        sent = time.perf_counter()
-        report["compute_s"] = sent - start
-        mine = {k: report[k] for k in ("losses", "metrics", "samples", "data_s", "compute_s")}
-        means, metas = client.step(layout, pieces, commit.meta(self.worker_index, finite,
-                                                               list(metrics), report=mine),
-                                   seq, label)
-        self._keep_metas(seq, metas)
-        decision = commit.decide(metas, on_nonfinite)
-        exchanged = self._apply_decided(decision, means, report, sent)
-        self._record_step(seq, start, start + data_s, sent, exchanged)
-        return report
-
-    def _compute_whole(self, data, start: float) -> tuple:
-        """Phases data and compute with the gradient sent once computed (not
-        overlapped): (the compiled step's outputs, or None at the end of the
-        data; samples; data_s). Raises what they raise."""
-        batches, samples = self._batches(data)
-        data_s = time.perf_counter() - start
-        if batches is None:
-            return None, samples, data_s
-        self.begin_compute()
-        return self.replicas.compute(batches), samples, data_s
-
-    def _overlapped_step(self, data, seq: int) -> dict:
-        """`_step_after_backward` with the gradient leaving during the backward pass, in
-        phases: data, compute and send (`_compute_sending`: each bucket of
-        consecutive shards, `bucket_layout`, goes to its PS from inside the
-        compiled step as soon as its gradients exist), arrive (`_arrive`: every
-        worker's meta gathered, or backup workers' contributors chosen), decide
-        and apply (`_decide_and_apply`: alike everywhere, the buckets' means
-        applied as they arrive, each update exactly that of one apply), record.
-        A worker that computes nothing (a late one sitting the step out, or
-        one whose data ended) arrives without compute (`_observe`).
+    def _step(self, data, seq: int) -> dict:
+        """One step, the one state machine of every plan (`StepPlan`), in phases:
+        data, compute and send (`_compute_sending`: each bucket goes to its PS
+        during the backward pass, from inside the compiled step, or once the
+        gradient is computed), arrive (`_arrive`: every worker's meta gathered,
+        or backup workers' contributors chosen), decide and apply
+        (`_decide_and_apply`: alike everywhere, the buckets' means applied as
+        they arrive, each update exactly that of one apply), record. A worker
+        that computes nothing (a late one sitting the step out, or one whose
+        data ended) arrives without compute (`_observe`). Any failure of the
+        exchange aborts the step (raised to `_run_exchange_steps`).
 
         Backup workers: the buckets leave as they do without them, before the
         contributors are chosen; each PS keeps every worker's part of its
@@ -268,7 +252,7 @@ class ExchangeSession:
 
         client = self._exchange[0]
         start = time.perf_counter()
-        label = f"step {self.applied_steps + 1}"
+        label = f"step {self._step_number()}"
         if self._dead_ps:  # a PS died last step (its bucket was averaged here): replace it
             dead = self._dead_ps
             raise died(f"worker {self.worker_index} {label}: PS actor(s) "
@@ -282,7 +266,7 @@ class ExchangeSession:
         computed, samples, data_s = self._compute_sending(sending, data, start)
         if computed is None:
             return self._data_ended(seq, sending, start)
-        losses, finite, metrics, _ = computed
+        losses, finite, metrics = computed
         finite = finite.numpy().tolist()
         computed_at = time.perf_counter()
         report = {"losses": losses.numpy().tolist(), "finite": finite,
@@ -299,14 +283,16 @@ class ExchangeSession:
         report.update(exchange_s=end - computed_at - apply_s, apply_s=apply_s,
                       applied=decision.action == commit.APPLY, decision=decision.action,
                       nonfinite=list(decision.nonfinite))
-        self._record_step(seq, start, start + data_s, computed_at, end, overlapped=True)
+        self._record_step(seq, start, start + data_s, computed_at, end)
         return report
 
     def _compute_sending(self, sending, data, start: float) -> tuple:
-        """Phases data, compute and send: (the compiled step's outputs or None at
-        the end of the data, samples, data_s). A decided step kept for this call
-        (`_Pending`) is applied inside it. On an error every worker is told (no
-        gradient, this error) so that none waits for this one, then it is raised."""
+        """Phases data, compute and send: ((losses, finite, metrics) of the compiled
+        step, or None at the end of the data; samples; data_s). The buckets leave
+        during the backward pass (`StepPlan.during_backward`: a decided step kept
+        for this call, `_Pending`, is applied inside it) or once the whole
+        gradient is computed. On an error every worker is told (no gradient,
+        this error) so that none waits for this one, then it is raised."""
         from dsgd.comm import commit
 
         shards, groups = self.replicas.plan.shards, self._buckets.groups
@@ -322,17 +308,23 @@ class ExchangeSession:
             if batches is None:
                 return None, samples, data_s
             self.begin_compute()
+            if not self.plan.during_backward:
+                losses, finite, flat_grads, metrics = self.replicas.compute(batches)
+                pieces = self.replicas.shard_pieces(flat_grads)
+                for g, group in enumerate(groups):
+                    sending.send(g, tuple(piece for j in group for piece in pieces[j]))
+                return (losses, finite, metrics), samples, data_s
             fused = time.perf_counter() if pending is not None else None
-            computed = self.replicas.compute_sending(
+            losses, finite, metrics, _ = self.replicas.compute_sending(
                 groups, batches, send, pending=None if pending is None else pending.shards)
             if fused is not None:
                 self._pending_applied(pending, fused)
-            return computed, samples, data_s
+            return (losses, finite, metrics), samples, data_s
         except Exception as e:
             if fused is not None and self._pending is pending:
                 ran = self.replicas.pending_applied
                 if ran is False:  # (the last step's update may have run in part)
-                    self._exit_partly_applied(e, self.applied_steps)
+                    self._exit_partly_applied(e, self._step_number() - 1)
                 if ran:
                     self._pending_applied(pending, fused)
                 # (else it did not run: exchange_steps applies it on its own, or raises)
@@ -399,7 +391,6 @@ class ExchangeSession:
         apply_s = 0.0
         if decision.action == commit.APPLY:
             apply_s = self._apply_arriving(sending, self._buckets)
-            self.applied_steps += 1
             self._freeze_gc_once()
         self._applied_from(sending)
         return decision, apply_s
@@ -452,69 +443,12 @@ class ExchangeSession:
         if decision is None:
             return {"epoch_end": True}
         end = time.perf_counter()
-        self._record_step(seq, start, sent, sent, end, sat_out=sat_out, overlapped=True)
+        self._record_step(seq, start, sent, sent, end, sat_out=sat_out)
         return {"exchange_s": end - sent - apply_s, "apply_s": apply_s,
                 "applied": decision.action == commit.APPLY, "decision": decision.action,
                 "nonfinite": list(decision.nonfinite),
                 "contributors": sorted(m["slot"] for m in metas),
                 "contributed": False, "sat_out": sat_out}
-
-    def _backup_step(self, data, seq: int) -> dict:
-        """`_step_after_backward` under backup workers (see `exchange_steps`)."""
-        from dsgd.comm import commit
-
-        client, layout, on_nonfinite = self._exchange
-        start = time.perf_counter()
-        label = f"step {self.applied_steps + 1}"
-        report: dict = {}
-        answer = client.decided(seq, label) if self._late else None
-        pieces, mine = None, None
-        if answer is None:  # on time: compute, then arrive at the choice
-            try:
-                computed, samples, data_s = self._compute_whole(data, start)
-            except Exception as e:
-                try:  # (chosen, it stops the others at once: commit.decide names it)
-                    chosen, _, chosen_me = client.choose(
-                        seq, commit.meta(self.worker_index, None, None, e), label)
-                    if chosen_me:
-                        client.step_of(layout, None, {"slot": self.worker_index}, seq, label,
-                                       chosen)
-                except Exception:  # noqa: BLE001 - this worker's own error is the one to report
-                    pass
-                raise
-            if computed is None:
-                mine = commit.meta(self.worker_index, None, None)
-            else:
-                losses, finite, flat_grads, metrics = computed
-                pieces = self.replicas.shard_pieces(flat_grads)
-                finite = finite.numpy().tolist()
-                report = {"losses": losses.numpy().tolist(), "finite": finite,
-                          "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
-                          "samples": samples, "data_s": data_s,
-                          "compute_s": time.perf_counter() - start}
-                mine = commit.meta(self.worker_index, finite, list(metrics),
-                                   report={k: report[k] for k in ("losses", "metrics", "samples",
-                                                                  "data_s", "compute_s")})
-            answer = client.choose(seq, mine, label)
-        chosen, _, contributed = answer
-        sent = time.perf_counter()
-        means, metas = client.step_of(layout, pieces, mine or {"slot": self.worker_index}, seq,
-                                      label, chosen)
-        self._late = not contributed
-        self._keep_metas(seq, self._by_rank(chosen, metas))
-        decision = commit.decide(metas, on_nonfinite)
-        if decision.action == commit.EPOCH_END:
-            return {"epoch_end": True}
-        exchanged = self._apply_decided(decision, means, report, sent)
-        report.update(contributors=sorted(m["slot"] for m in metas), contributed=contributed,
-                      sat_out=mine is None)
-        # (the wait for PS 0's choice belongs to the exchange)
-        self._record_step(seq, start, start + report.get("data_s", 0.0),
-                          start + report["compute_s"] if "compute_s" in report else sent,
-                          exchanged, sat_out=mine is None)
-        if not contributed and mine is not None and data is None and "samples" in report:
-            report["dropped_rows"] = report["samples"]  # a get_batch batch computed for nothing
-        return report
 
     @ray.method(concurrency_group="peer")
     def parts_of(self, seq: int, g: int) -> list:

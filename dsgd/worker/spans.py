@@ -21,10 +21,10 @@ class StepSpans:
         return timeline.recorder().drain()
 
     def _record_step(self, seq: int, start: float, computed: float, sent: float,
-                     exchanged: float, sat_out: bool = False, overlapped: bool = False) -> None:
+                     exchanged: float, sat_out: bool = False) -> None:
         """The timeline's row of one step of the workers' exchange, from
-        `perf_counter` stamps: start, batches read, gradient computed (the first
-        group about to leave), means read; the apply ends now."""
+        `perf_counter` stamps: start, batches read, gradient computed, means
+        read and applied (each bucket's receive and apply have their own rows)."""
         from dsgd.comm import timeline
 
         tl = timeline.recorder()
@@ -35,10 +35,8 @@ class StepSpans:
         step = seq & ((1 << 32) - 1)
         spans = [("sat out", start, sent)] if sat_out else \
             [("data", start, computed), ("compute", computed, sent)]
-        # (overlapped: the groups left during "compute"; each one's receive and apply
-        # are on their own rows)
-        spans += [("decide, receive and apply", sent, exchanged)] if overlapped else \
-            [("exchange", sent, exchanged), ("apply", exchanged, end)]
+        # (the buckets left during or at the end of "compute")
+        spans.append(("decide, receive and apply", sent, exchanged))
         for name, a, b in spans:
             if b > a:
                 tl.add(name, "step", a + to_wall, b + to_wall, step=step)
