@@ -145,20 +145,20 @@ def custom_validate(worker, source: tuple, num_steps: int | None, info: dict | N
     return result
 
 
-def batches(source: tuple, worker):
-    """This worker's training batches of a custom epoch: ("rows", [RowSpans],
-    transform, timeout_s) of a dsgd.Dataset, ("ray", split iterator, batch size,
-    transform) or ("own", steps): replica i's tf.data shard, the replicas'
-    batches of a step concatenated."""
+def batches(source, worker):
+    """This worker's training batches of a custom epoch (dsgd/trainer/sources.py):
+    a `RowsSource` or `RaySplitSource`, or an `OwnSource`: replica i's tf.data
+    shard, the replicas' batches of a step concatenated."""
     from dsgd.trainer.replica import worker_batches
+    from dsgd.trainer.sources import OwnSource
 
-    if source[0] != "own":
+    if not isinstance(source, OwnSource):
         yield from worker_batches(source)
         return
     import tensorflow as tf
 
     iterators = [iter(r.own_batches()) for r in worker.models()]
-    for _ in range(source[1]):
+    for _ in range(source.steps):
         parts = [tf.nest.map_structure(lambda t: t.numpy(), next(it)) for it in iterators]
         yield parts[0] if len(parts) == 1 else tf.nest.map_structure(
             lambda *leaves: np.concatenate(leaves), *parts)

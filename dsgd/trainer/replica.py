@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from dsgd.comm.waits import fetch
+from dsgd.trainer.sources import OwnSource, RaySplitSource, RowsSource
 from dsgd.model import Model
 
 
@@ -251,11 +252,11 @@ def _shard(data, rank: int, world: int):
     return None
 
 
-def validate_share(worker, source: tuple, num_steps: int | None, info: dict | None) -> dict:
-    """(worker side, via Worker.run) Validate this worker's share: `source` is
-    ("rows", [RowSpans], transform) of a dsgd.Dataset, ("ray", split iterator,
-    batch size, transform) or ("own",) for each replica's tf.data shard. A worker
-    batch is split among the replicas. Returns sums over samples, batch count,
+def validate_share(worker, source, num_steps: int | None, info: dict | None) -> dict:
+    """(worker side, via Worker.run) Validate this worker's share: `source` is a
+    `RowsSource` (a dsgd.Dataset), a `RaySplitSource` or an `OwnSource` (each
+    replica's tf.data shard; dsgd/trainer/sources.py). A worker batch is split
+    among the replicas. Returns sums over samples, batch count,
     the last batch's values and the replicas' summed metric states."""
     from dsgd.data.batching import num_rows
 
@@ -275,7 +276,7 @@ def validate_share(worker, source: tuple, num_steps: int | None, info: dict | No
 
     for replica in replicas:
         replica.begin_validation(info)
-    if source[0] == "own":
+    if isinstance(source, OwnSource):
         for replica in replicas:
             for k, batch in enumerate(replica.own_validation_batches()):
                 if num_steps is not None and k >= num_steps:
@@ -295,33 +296,29 @@ def validate_share(worker, source: tuple, num_steps: int | None, info: dict | No
     return tally
 
 
-def worker_batches(source: tuple):
+def worker_batches(source):
+    """The worker batches of a `RowsSource` or a `RaySplitSource`, in order."""
     from dsgd.data.batching import take_rows
     from dsgd.data.feeds import finish
 
-    if source[0] == "rows":
-        import ray
-
-        _, spans_list, transform, timeout_s = source
-        for spans in spans_list:
-            blocks = fetch(spans.refs, f"validation rows from {spans.first_row}", timeout_s)
-            batch = take_rows(blocks, spans.spans)
-            yield finish(batch, transform, 1, f"validation rows from {spans.first_row}")[0][0]
-    elif source[0] == "ray":
-        _, iterator, batch_size, transform = source[:4]
-        drop_last = len(source) > 4 and source[4]  # training: as many batches on every worker
-        for k, batch in enumerate(iterator.iter_batches(batch_size=batch_size, batch_format="numpy",
-                                                        drop_last=drop_last)):
-            yield finish(batch, transform, 1, f"validation batch {k + 1}")[0][0]
+    if isinstance(source, RowsSource):
+        for spans in source.batches:
+            where = f"rows from {spans.first_row}"
+            blocks = fetch(spans.refs, where, source.timeout_s)
+            yield finish(take_rows(blocks, spans.spans), source.transform, 1, where)[0][0]
+    elif isinstance(source, RaySplitSource):
+        for k, batch in enumerate(source.iterator.iter_batches(
+                batch_size=source.batch_size, batch_format="numpy", drop_last=source.drop_last)):
+            yield finish(batch, source.transform, 1, f"batch {k + 1}")[0][0]
     else:
-        raise ValueError(f"unknown validation source {source[0]!r}")
+        raise ValueError(f"unknown data source {source!r}")
 
 
-def validation_batches(worker, source: tuple):
+def validation_batches(worker, source):
     """A custom validate's batches on this worker: its share of the driver's
-    validation data, or ("own",) each replica's tf.data shard, one replica after
-    the other (every example once)."""
-    if source[0] != "own":
+    validation data, or (`OwnSource`) each replica's tf.data shard, one replica
+    after the other (every example once)."""
+    if not isinstance(source, OwnSource):
         yield from worker_batches(source)
         return
     import tensorflow as tf

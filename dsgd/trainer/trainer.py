@@ -30,7 +30,8 @@ from dsgd.trainer.custom import custom_train_epoch, custom_validate
 from dsgd.trainer.operator import BATCH_SIZE, TrainingOperator
 from dsgd.trainer.replica import validate_share
 from dsgd.trainer.schedules import STEP_FREQS
-from dsgd.trainer.worker_side import (OWN, ReplicaCreator, WorkerInit, custom_methods, full_state,
+from dsgd.trainer.sources import OwnSource, RaySplitSource, RowsSource
+from dsgd.trainer.worker_side import (ReplicaCreator, WorkerInit, custom_methods, full_state,
                                       registered_data, replica_config, set_info, start_epoch,
                                       sum_states)
 
@@ -331,7 +332,7 @@ class Trainer:
         return (max(int(steps or 0), constants.VALIDATION_TIMEOUT_STEPS) + 1) \
             * self.sgd.step_timeout_s
 
-    def _train_sources(self, data, num_steps, workers: int) -> list[tuple]:
+    def _train_sources(self, data, num_steps, workers: int) -> list:
         """Each worker's batches of a custom epoch: as many on every worker."""
         if isinstance(data, str):  # own tf.data shards: the smallest shard's batch count
             steps = self.sgd.for_model(lambda m: m.steps_per_epoch())
@@ -339,9 +340,9 @@ class Trainer:
                 raise ValueError("a custom train_epoch over tf.data needs a dataset of known "
                                  "cardinality (or pass num_steps)")
             steps = min(steps, num_steps) if num_steps is not None else steps
-            return [(OWN, int(steps))] * workers
+            return [OwnSource(int(steps))] * workers
         if data.is_ray_data:
-            return [("ray", it, data.batch_size, data.transform, True)
+            return [RaySplitSource(it, data.batch_size, data.transform, drop_last=True)
                     for it in data.data.streaming_split(workers, equal=True)]
         stream = data._feed(self.sgd.devices_per_worker).stream
         if stream.length is None:
@@ -362,7 +363,7 @@ class Trainer:
                 spans = stream.spans(first, b)
                 batches.append(RowSpans([blocks[i] for i, _, _ in spans],
                                         [(lo, hi) for _, lo, hi in spans], first))
-            sources.append(("rows", batches, data.transform, self.sgd.step_timeout_s))
+            sources.append(RowsSource(batches, data.transform, self.sgd.step_timeout_s))
         return sources
 
     def _validate_custom(self, num_steps, profile: bool, reduce_results: bool,
@@ -554,13 +555,13 @@ class Trainer:
         raise TypeError(f"register_data({name}=...) must be a dsgd.Dataset, a ray.data.Dataset "
                         f"or a tf.data.Dataset, got {type(data).__name__}")
 
-    def _validation_sources(self) -> list[tuple]:
+    def _validation_sources(self) -> list:
         """One validation source per worker (dsgd/trainer/replica.py validate_share)."""
         data, workers = self._validation_data, self.sgd.num_workers
         if isinstance(data, str):
-            return [(OWN,)] * workers
+            return [OwnSource()] * workers
         if data.is_ray_data:  # not equal=True: that would drop rows
-            return [("ray", it, data.batch_size, data.transform)
+            return [RaySplitSource(it, data.batch_size, data.transform)
                     for it in data.data.streaming_split(workers, equal=False)]
         stream = data._feed(self.sgd.devices_per_worker).stream
         if stream.length is None:
@@ -575,7 +576,7 @@ class Trainer:
                 spans = stream.spans(start, min(b, end - start))
                 batches.append(RowSpans([blocks[k] for k, _, _ in spans],
                                         [(lo, hi) for _, lo, hi in spans], start))
-            sources.append(("rows", batches, data.transform, self.sgd.step_timeout_s))
+            sources.append(RowsSource(batches, data.transform, self.sgd.step_timeout_s))
         return sources
 
     def _resend_info(self) -> None:
