@@ -239,11 +239,12 @@ def grouped_allreduce(tensors, average=None, compression=Compression.none, op=No
 
     Floating tensors are averaged as the engine averages (float32 sums,
     16-bit values summed in float32 and rounded once); integer tensors are
-    summed exactly in float64 (|values| < 2**53), and their Average is
-    `sum / size()` as TensorFlow divides integers (float64). Works eagerly and
-    inside `tf.function`. Blocks until every rank has made the call (at most
-    `DsgdConfig.timeout_s` seconds). The inputs are only read; the results are
-    tensors of their own, valid as long as they are referenced.
+    summed exactly in float64 (|values| < 2**53), and their Average is that
+    sum times 1/size() in float64, by the same PS kernel (a float64 result, as
+    Horovod's `sum / size()` gives, to within one unit in the last place).
+    Works eagerly and inside `tf.function`. Blocks until every rank has made
+    the call (at most `DsgdConfig.timeout_s` seconds). The inputs are only
+    read; the results are tensors of their own, valid while referenced.
 
     Args:
         tensors (list): tensors, or `tf.IndexedSlices` (made dense first,
@@ -296,9 +297,9 @@ def grouped_allreduce(tensors, average=None, compression=Compression.none, op=No
 
 def _summed(tensors: list, op: int, wire, postscale_factor: float, name: str | None) -> list:
     """`grouped_allreduce` with Average or Sum: the floating tensors in one
-    exchange (`wire`: their wire type), the integer ones summed exactly in
-    float64 in a second (an integer Average is `sum / size()`, as TensorFlow
-    divides integers)."""
+    exchange (`wire`: their wire type), the integer ones as float64 in a second
+    (summed exactly; an integer Average stays float64, as TensorFlow divides
+    integers)."""
     import tensorflow as tf
 
     floats = [k for k, t in enumerate(tensors) if t.dtype.is_floating]
@@ -311,17 +312,17 @@ def _summed(tensors: list, op: int, wire, postscale_factor: float, name: str | N
         if floats:
             out += exchange.allreduce(arrays[:len(floats)], average=op == Average,
                                       compression=wire)
-        if ints:  # summed exactly in float64
-            out += exchange.allreduce(arrays[len(floats):], average=False, compression=None)
+        if ints:  # summed exactly in float64 (and scaled by 1/size for Average)
+            out += exchange.allreduce(arrays[len(floats):], average=op == Average,
+                                      compression=None)
         return out
 
     results = _run(reduce, sent, [t.dtype for t in sent], [t.shape for t in sent],
                    name or "dsgd_allreduce")
     out: list = [None] * len(tensors)
     for k, result in zip(floats + ints, results):
-        if k in ints:
-            result = result / tf.cast(size(), tf.float64) if op == Average \
-                else tf.cast(result, tensors[k].dtype)
+        if k in ints and op != Average:
+            result = tf.cast(result, tensors[k].dtype)
         if postscale_factor != 1.0:
             result = result * tf.cast(postscale_factor, result.dtype)
         out[k] = result
