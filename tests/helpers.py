@@ -115,7 +115,7 @@ def unpatch(worker):
     ps_client.StepExchange._real = {}
     for name in ("apply", "apply_stage"):
         worker.replicas.__dict__.pop(name, None)
-    worker.__dict__.pop("_flush_pending", None)
+    worker.__dict__.pop("_apply_deferred", None)
 
 
 def kill_ps_before_sending(bucket: int, pid: int):
@@ -145,13 +145,13 @@ def kill_ps_before_sending(bucket: int, pid: int):
         ps_client.StepExchange.send = send
         worker.buckets_averaged_before = worker.buckets_averaged_here
         worker.flushes = []  # at each call's end: whether a decided step was still to apply
-        flush = worker._flush_pending
+        flush = worker._apply_deferred
 
         def flushing():
-            worker.flushes.append(worker._pending is not None)
+            worker.flushes.append(worker._deferred is not None)
             flush()
 
-        worker._flush_pending = flushing
+        worker._apply_deferred = flushing
     return patch
 
 

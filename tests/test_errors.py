@@ -236,6 +236,7 @@ def test_draining_a_call_counts_it_and_reports_an_applied_nonfinite_step(caplog)
     from dsgd.config import Config
     from dsgd.engine.loop import StepLoop
     from dsgd.engine.state import Progress
+    from dsgd.comm.reports import StepReport
     from dsgd.engine.step import StepResult
 
     progress = Progress()
@@ -248,9 +249,9 @@ def test_draining_a_call_counts_it_and_reports_an_applied_nonfinite_step(caplog)
         applies_pending = True
 
         def finish(self):
-            return [StepResult([{"finite": [True, True]}], [{"apply_s": 0.0}], 1),
-                    StepResult([{"finite": [True, False]}], [{"apply_s": 0.0}], 1),
-                    StepResult([{"finite": [False, False]}], [{"apply_s": 0.0}], 1,
+            return [StepResult([StepReport(finite=[True, True])], [{"apply_s": 0.0}], 1),
+                    StepResult([StepReport(finite=[True, False])], [{"apply_s": 0.0}], 1),
+                    StepResult([StepReport(finite=[False, False])], [{"apply_s": 0.0}], 1,
                                skipped=True)]
 
     caplog.set_level(logging.WARNING, logger="dsgd")

@@ -11,6 +11,7 @@ from dsgd.config import Config
 
 
 def _info(rng, replicas=2, metrics=("acc",)):
+    """A worker's report of one step, as a meta carries it (a dict)."""
     return {"losses": rng.normal(size=replicas).tolist(),
             "metrics": {m: rng.uniform(size=replicas).tolist() for m in metrics},
             "samples": int(rng.integers(1, 9)), "data_s": float(rng.uniform()),
@@ -22,12 +23,12 @@ def test_a_call_tally_merged_equals_adding_each_step():
     steps = [_info(rng) for _ in range(11)]
     one_by_one = reports.worker_tally()
     for info in steps:
-        reports.add_step(one_by_one, info)
+        reports.add_step(one_by_one, reports.StepReport(**info))
     merged = reports.worker_tally()
     for call in (steps[:3], steps[3:10], steps[10:]):  # calls of 3, 7 and 1 steps
         tally = reports.worker_tally()
         for info in call:
-            reports.add_step(tally, info)
+            reports.add_step(tally, reports.StepReport(**info))
         reports.merge(merged, tally)
     assert merged["num_samples"] == one_by_one["num_samples"] == sum(s["samples"] for s in steps)
     assert merged["batch_count"] == one_by_one["batch_count"] == 11
@@ -43,13 +44,14 @@ def test_step_summary_is_every_workers_totals():
     rng = np.random.default_rng(1)
     infos = [_info(rng, replicas=3) for _ in range(5)]
     metas = [{"slot": k, "report": info} for k, info in enumerate(infos)]
-    own = {"exchange_s": 0.25, "apply_s": 0.125, "decision": "skip", "nonfinite": [(3, 1)]}
+    own = reports.StepReport(exchange_s=0.25, apply_s=0.125, decision="skip",
+                             nonfinite=[(3, 1)])
     row = reports.step_summary(metas, own)
-    assert row["loss"] == pytest.approx(np.mean([x for i in infos for x in i["losses"]]))
-    assert row["samples"] == sum(i["samples"] for i in infos)
-    assert row["compute_s"] == max(i["compute_s"] for i in infos)
-    assert row["data_s"] == max(i["data_s"] for i in infos)
-    assert (row["exchange_s"], row["apply_s"], row["decision"], row["nonfinite"], row["workers"]) \
+    assert row.loss == pytest.approx(np.mean([x for i in infos for x in i["losses"]]))
+    assert row.samples == sum(i["samples"] for i in infos)
+    assert row.compute_s == max(i["compute_s"] for i in infos)
+    assert row.data_s == max(i["data_s"] for i in infos)
+    assert (row.exchange_s, row.apply_s, row.decision, row.nonfinite, row.workers) \
         == (0.25, 0.125, "skip", [(3, 1)], 5)
 
 

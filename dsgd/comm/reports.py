@@ -16,7 +16,76 @@ other step kinds), so both ways give the same per-worker figures.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+
+
+@dataclasses.dataclass
+class StepReport:
+    """One worker's account of one step, sent to the driver (`Worker.local_steps`,
+    `exchange_steps`, "simple"'s `compute`). Seconds are wall time on the
+    worker; lists hold one entry per replica (device) of the worker."""
+    losses: list = dataclasses.field(default_factory=list)
+    finite: list = dataclasses.field(default_factory=list)   # each replica's gradient finite
+    metrics: dict = dataclasses.field(default_factory=dict)  # name -> one value per replica
+    samples: int = 0        # rows in this worker's batch
+    data_s: float = 0.0     # reading the batch
+    compute_s: float = 0.0  # from the step's start to the gradient computed
+    exchange_s: float = 0.0  # (the exchange) the gradient computed to the means in
+    apply_s: float = 0.0    # the update
+    applied: bool = False
+    decision: str | None = None  # the exchange: commit.APPLY, SKIP or HALT
+    nonfinite: list = dataclasses.field(default_factory=list)  # every (slot, replica) not finite
+    contributors: list | None = None  # backup workers: the step's contributing slots
+    contributed: bool = True  # backup workers: this worker's gradient is in the mean
+    sat_out: bool = False     # backup workers: late, it computed nothing
+    dropped_rows: int | None = None  # a get_batch batch computed but not in the mean
+    epoch_end: bool = False   # the data's epoch ended instead (nothing else is set)
+    rebuilt: bool = False     # the driver made it from a survivor's record (a death)
+
+
+@dataclasses.dataclass
+class StepFailed:
+    """A call's last entry: the exchange failed (a dead or hung peer or PS, or an
+    attempt given up: `abandoned`); nothing of that step was applied."""
+    failure: BaseException
+    abandoned: bool = False
+
+
+@dataclasses.dataclass
+class StepRaised:
+    """A call's last entry: a step raised after the steps before it were applied."""
+    error: BaseException
+
+
+@dataclasses.dataclass
+class StepSummary:
+    """One step's totals over every contributor (`step_summary`), from one worker."""
+    loss: float
+    samples: int
+    data_s: float      # the slowest contributor's
+    compute_s: float   # the slowest contributor's
+    exchange_s: float  # the reporting worker's
+    apply_s: float     # the reporting worker's
+    decision: str
+    nonfinite: list
+    workers: int
+    contributors: list
+
+
+@dataclasses.dataclass
+class CompactAnswer:
+    """A worker's answer to a call of steps that were all applied or skipped,
+    whose size does not grow with the workers (`Worker.exchange_steps`)."""
+    steps_run: int         # how many
+    tally: dict            # this worker's figures over them (`worker_tally`)
+    steps: list | None     # the reporter's: one StepSummary per step
+    skipped: list          # positions of the skipped steps
+    dropped: list | None = None   # backup workers: [batches, rows] computed and dropped
+    tallies: dict | None = None   # backup workers' reporter: every contributor's, by slot
+    end: str | None = None        # backup workers: the call ended at "epoch_end" or "halt"
+    nonfinite: list | None = None  # with end "halt": every (slot, replica) not finite
 
 
 def worker_tally() -> dict:
@@ -26,13 +95,12 @@ def worker_tally() -> dict:
             "dropped_samples": 0}
 
 
-def add_step(tally: dict, info: dict) -> int:
-    """Add one step's report of one worker (`losses`: one per replica, `metrics`:
-    name -> one value per replica, `samples`) to its tally: a worker's value of
-    a step is the mean over its replicas. Returns the step's samples."""
-    samples = int(info.get("samples", 0))
-    values = {"loss": float(np.mean(info["losses"]))}
-    values.update({k: float(np.mean(v)) for k, v in info.get("metrics", {}).items()})
+def add_step(tally: dict, info: StepReport) -> int:
+    """Add one step's report of one worker to its tally: a worker's value of a
+    step is the mean over its replicas. Returns the step's samples."""
+    samples = int(info.samples)
+    values = {"loss": float(np.mean(info.losses))}
+    values.update({k: float(np.mean(v)) for k, v in info.metrics.items()})
     tally["num_samples"] += samples
     tally["batch_count"] += 1
     for key, value in values.items():
@@ -50,15 +118,17 @@ def merge(tally: dict, later: dict) -> None:
     tally["last"].update(later["last"])
 
 
-def step_summary(metas: list[dict], own: dict) -> dict:
-    """One step's totals from every worker's meta (each with its `report`:
-    losses, metrics, samples, data_s, compute_s) and the reporter's own report
-    `own` (its decision, non-finite list, exchange and apply times)."""
+def step_summary(metas: list[dict], own: StepReport) -> StepSummary:
+    """One step's totals from every worker's meta (each with its `report`: a dict
+    of losses, metrics, samples, data_s, compute_s, as `commit.meta` carries
+    it) and the reporter's own report `own` (its decision, non-finite list,
+    exchange and apply times)."""
     reports = [m["report"] for m in metas]
     losses = [x for r in reports for x in r["losses"]]
-    return {"loss": float(np.mean(losses)), "samples": sum(int(r["samples"]) for r in reports),
-            "data_s": max(r.get("data_s", 0.0) for r in reports),
-            "compute_s": max(r.get("compute_s", 0.0) for r in reports),
-            "exchange_s": own["exchange_s"], "apply_s": own["apply_s"],
-            "decision": own["decision"], "nonfinite": own["nonfinite"],
-            "workers": len(reports), "contributors": sorted(m["slot"] for m in metas)}
+    return StepSummary(loss=float(np.mean(losses)),
+                       samples=sum(int(r["samples"]) for r in reports),
+                       data_s=max(r.get("data_s", 0.0) for r in reports),
+                       compute_s=max(r.get("compute_s", 0.0) for r in reports),
+                       exchange_s=own.exchange_s, apply_s=own.apply_s, decision=own.decision,
+                       nonfinite=own.nonfinite, workers=len(reports),
+                       contributors=sorted(m["slot"] for m in metas))

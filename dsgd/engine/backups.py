@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 
+from dsgd.comm.reports import StepReport
 from dsgd.comm.waits import actor_died_errors, fetch, ready
 from dsgd.errors import StepTimeoutError
 
@@ -155,8 +156,8 @@ class Stragglers:
         try:
             if isinstance(pending, ray.ObjectRefGenerator):
                 info = fetch(next(pending), f"late worker {slot}'s report")
-                if count_rows and isinstance(info, dict) and "samples" in info:
-                    self.count_dropped(slot, int(info["samples"]))
+                if count_rows and isinstance(info, StepReport) and not info.epoch_end:
+                    self.count_dropped(slot, int(info.samples))
             else:
                 value = fetch(pending, f"late worker {slot}'s answer")
                 if self.on_result is not None and not any(r is pending for r in

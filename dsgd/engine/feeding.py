@@ -90,10 +90,10 @@ class Tally:
             return
         if infos is None:  # the step was applied before a failure interrupted it
             return
-        self._add_times(step_s, max(info.get("data_s", 0.0) for info in infos),
-                        max(info.get("compute_s", 0.0) for info in infos),
+        self._add_times(step_s, max(info.data_s for info in infos),
+                        max(info.compute_s for info in infos),
                         max((a.get("apply_s", 0.0) for a in applied), default=0.0))
-        self.losses.append(float(np.mean([x for info in infos for x in info["losses"]])))
+        self.losses.append(float(np.mean([x for info in infos for x in info.losses])))
         slots = result.contributors if result.contributors is not None else range(len(infos))
         while len(self.workers) <= max(slots):
             self.workers.append(reports.worker_tally())
@@ -108,9 +108,9 @@ class Tally:
 
     def _add_summary(self, result: StepResult, step_s: float) -> None:
         summary = result.summary
-        self._add_times(step_s, summary["data_s"], summary["compute_s"], summary["apply_s"])
-        self.losses.append(summary["loss"])
-        self.samples += summary["samples"]
+        self._add_times(step_s, summary.data_s, summary.compute_s, summary.apply_s)
+        self.losses.append(summary.loss)
+        self.samples += summary.samples
         for slot, tally in sorted((result.tallies or {}).items()):
             while len(self.workers) <= slot:
                 self.workers.append(reports.worker_tally())
@@ -178,10 +178,10 @@ def step_stats(result: StepResult, step_s: float, progress: Progress, config,
     (see its docstring), `step_s` its wall time and `slots` the live workers'."""
     infos = result.infos
     if result.summary is not None:  # the workers' own exchange: every worker's totals
-        losses, compute_s = [result.summary["loss"]], result.summary["compute_s"]
+        losses, compute_s = [result.summary.loss], result.summary.compute_s
     else:
-        losses = [x for info in infos for x in info["losses"]] if infos else [float("nan")]
-        compute_s = max(info["compute_s"] for info in infos) if infos else 0.0
+        losses = [x for info in infos for x in info.losses] if infos else [float("nan")]
+        compute_s = max(info.compute_s for info in infos) if infos else 0.0
     apply_s = max(a["apply_s"] for a in result.applied)
     stats = {"loss": float(np.mean(losses)), "compute_s": compute_s,
              "exchange_s": max(0.0, step_s - compute_s - apply_s), "apply_s": apply_s,

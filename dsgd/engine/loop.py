@@ -162,7 +162,7 @@ class StepLoop:
             if result.halted:  # several workers, "raise": nothing of it was applied
                 self._drain(pending, entry)
                 raise self._nonfinite_error(self.progress.steps_done + 1,
-                                            result.infos[0]["nonfinite"], applied=False)
+                                            result.infos[0].nonfinite, applied=False)
             error = self._count(result, entry)
             if error is not None:  # one worker, "raise": the step was applied
                 self._drain(pending, entry)
@@ -358,7 +358,7 @@ class StepLoop:
         if not step.exchanges:
             return None
         infos = step.reports()
-        ended = [i for i, info in enumerate(infos) if info.get("epoch_end")]
+        ended = [i for i, info in enumerate(infos) if info.epoch_end]
         if ended:
             if len(ended) < len(infos):
                 raise DsgdError(f"{step.label}: the data of worker(s) {ended} ended its epoch "
@@ -376,10 +376,10 @@ class StepLoop:
         step.exchange()
         return None
 
-    def _check_metric_names(self, infos: list[dict], slots: list[int] | None) -> None:
+    def _check_metric_names(self, infos: list, slots: list[int] | None) -> None:
         """ValueError (before any apply) when workers' get_loss return different
         metric names (each worker compares its own replicas)."""
-        names = [sorted(info.get("metrics", {})) for info in infos]
+        names = [sorted(info.metrics) for info in infos]
         if any(n != names[0] for n in names):
             slots = self.actors.slots if slots is None else slots
             raise ValueError("get_loss must return the same metric names on every replica: "
@@ -392,7 +392,7 @@ class StepLoop:
         the workers it ran on. Returns the NonFiniteError to raise for an applied
         step with a non-finite gradient (one worker, on_nonfinite="raise")."""
         if result.summary is not None:
-            bad = [tuple(b) for b in result.summary["nonfinite"]]
+            bad = [tuple(b) for b in result.summary.nonfinite]
         else:
             bad = self._nonfinite(result.infos, result.contributors) \
                 if result.infos is not None else []
@@ -428,15 +428,15 @@ class StepLoop:
                                "(reported here: another error is being raised)",
                                self.progress.steps_done,
                                [r for info in result.infos or [] for r, ok in
-                                enumerate(info["finite"]) if not ok])
+                                enumerate(info.finite) if not ok])
 
-    def _nonfinite(self, infos: list[dict], slots: list[int] | None = None
+    def _nonfinite(self, infos: list, slots: list[int] | None = None
                    ) -> list[tuple[int, int]]:
         """(worker slot, replica) of every non-finite gradient; `slots`: the workers
         of `infos` (default: every worker, in order)."""
         slots = self.actors.slots if slots is None else slots
         return [(slot, r) for slot, info in zip(slots, infos)
-                for r, ok in enumerate(info["finite"]) if not ok]
+                for r, ok in enumerate(info.finite) if not ok]
 
     def _nonfinite_error(self, step: int, bad: list, applied: bool) -> NonFiniteError:
         if applied:  # one worker: the update ran alongside the check (see Replicas.configure)

@@ -20,6 +20,7 @@ import time
 
 from dsgd.comm import timeline
 from dsgd.comm.means import group_means
+from dsgd.comm.reports import StepRaised, StepReport, StepSummary
 from dsgd.comm.waits import actor_died_errors, fetch, ready
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
@@ -32,8 +33,8 @@ from dsgd.errors import DsgdError, StepTimeoutError
 class StepResult:
     """One step as the loop yields it.
 
-    infos: the contributors' reports (losses, finite, metrics, samples,
-        timings), in worker order (every worker's without backup workers);
+    infos: the contributors' reports (StepReport: losses, finite, metrics,
+        samples, timings), in worker order (every worker's without backup workers);
         None for a step that had been applied when a failure interrupted it.
     applied: each waited-for worker's apply report (`apply_s`, ...); [] at an
         epoch's end.
@@ -56,13 +57,12 @@ class StepResult:
     failure: an actor died or hung (or a PS ended the exchange) after the
         results before this one were applied: the loop recovers from it.
     summary: instead of `infos` (then None), every worker's totals of the step
-        from one worker (dsgd/comm/reports.py `step_summary`: loss, samples,
-        data_s, compute_s, exchange_s, apply_s, decision, nonfinite).
+        from one worker (a StepSummary, dsgd/comm/reports.py `step_summary`).
     tallies: with `summary`, on the last step of a call: {worker position:
         its figures over the call's steps} (dsgd/comm/reports.py).
     """
 
-    infos: list[dict] | None
+    infos: list[StepReport] | None
     applied: list[dict]
     workers: int
     skipped: bool = False
@@ -75,7 +75,7 @@ class StepResult:
     dropped_rows: list = dataclasses.field(default_factory=list)
     halted: bool = False
     failure: BaseException | None = None
-    summary: dict | None = None
+    summary: StepSummary | None = None
     tallies: dict | None = None
 
 
@@ -115,8 +115,8 @@ class ExchangeStep:
         self._late: list[int] = []         # indices still computing when they were chosen
         self._dead: list[int] = []         # indices found dead while computing
         self._died_error: BaseException | None = None  # the last such death's error
-        self._infos: list[dict] | None = None
-        self._extra: dict[int, dict] = {}  # index -> report of a worker dropped on time
+        self._infos: list[StepReport] | None = None
+        self._extra: dict[int, StepReport] = {}  # index -> report of a worker dropped on time
         self._apply_refs: list | None = None  # submitted applies, not yet waited for
         self._apply_owners: list = []
         self._dropped_rows: list[tuple] = []  # (slot, rows or None) left out of the mean
@@ -324,14 +324,14 @@ class ExchangeStep:
         if not self.stragglers.enabled:
             return
         chosen, running = set(self._chosen), set(self._running)
-        share = self._infos[0].get("samples", 0) if self._infos else 0
+        share = self._infos[0].samples if self._infos else 0
         dataset = any(d is not None for d in self.data)
         rows = []
         for k, slot in enumerate(self.slots):
             if k in chosen:
                 continue
             if k in self._extra:
-                rows.append((slot, self._extra[k].get("samples", 0)))
+                rows.append((slot, self._extra[k].samples))
             elif k in self._late:
                 if self.data[k] is not None:  # get_batch: counted when its report arrives
                     rows.append((slot, share))
@@ -424,13 +424,13 @@ class LocalSteps:
         step_s = (time.perf_counter() - self.start) / max(1, len(infos))
         results = []
         for info in infos:
-            if info.get("epoch_end"):
+            if isinstance(info, StepRaised):
+                results.append(StepResult(None, [], 1, error=info.error))
+            elif info.epoch_end:
                 results.append(StepResult([info], [], 1, epoch_end=True))
-            elif "error" in info:
-                results.append(StepResult(None, [], 1, error=info["error"]))
             else:
                 results.append(StepResult([info], [{"apply_s": 0.0, "step_s": step_s}], 1,
-                                          skipped=not info["applied"], step_s=step_s,
+                                          skipped=not info.applied, step_s=step_s,
                                           **self._membership()))
         return results
 

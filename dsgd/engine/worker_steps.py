@@ -19,10 +19,12 @@ counted once every surviving worker reports it applied (or skipped).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 from dsgd.comm import ps_client, timeline
+from dsgd.comm.reports import CompactAnswer, StepFailed, StepRaised, StepReport
 from dsgd.comm.waits import actor_died_errors, fetch, outcomes, ready
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
@@ -133,8 +135,8 @@ class WorkerSteps:
         failure = self._failure(outcome, pending)
         if self.stragglers is not None:
             return self._backup_failure_results(outcome, failure, step_s)
-        compact = {k: out for k, out in outcome.items() if isinstance(out, dict)}
-        if failure is None and len(compact) == len(self.workers) and compact[0]["steps"]:
+        compact = {k: out for k, out in outcome.items() if isinstance(out, CompactAnswer)}
+        if failure is None and len(compact) == len(self.workers) and compact[0].steps:
             return self._summaries(compact, step_s)
         reports = {k: out for k, out in outcome.items() if isinstance(out, list)}
         errors = [out for out in outcome.values() if isinstance(out, BaseException)]
@@ -146,29 +148,29 @@ class WorkerSteps:
         rebuilt = self._rebuilt_rows(survivors[0], lost) \
             if (failure is not None or compact) and lost and survivors else {}
         for k, out in compact.items():
-            reports[k] = [dict(rebuilt[(seq, k)], decision="skip" if i in out["skipped"]
-                               else "apply") if (seq, k) in rebuilt else None
-                          for i, seq in enumerate(self.seqs)]
+            reports[k] = [dataclasses.replace(rebuilt[(seq, k)],
+                                              decision="skip" if i in out.skipped else "apply")
+                          if (seq, k) in rebuilt else None for i, seq in enumerate(self.seqs)]
         reports = dict(sorted(reports.items()))
         if failure is None and errors:
             raise _first(errors)  # the first step of every worker raised: nothing applied
         results = []
         for i in range(self.size if reports else 0):
             rows = [out[i] if i < len(out) else None for out in reports.values()]
-            if any(r is None or "failure" in r for r in rows):
+            if any(r is None or isinstance(r, StepFailed) for r in rows):
                 break
-            raised = [r["error"] for r in rows if "error" in r]
+            raised = [r.error for r in rows if isinstance(r, StepRaised)]
             if raised:
                 results.append(StepResult(None, [], len(self.workers), error=_first(raised)))
                 return results
-            if any(r.get("epoch_end") for r in rows):
+            if any(r.epoch_end for r in rows):
                 results.append(StepResult(rows, [], len(self.workers), epoch_end=True))
                 return results
-            decision = reports[min(reports)][i]["decision"]
+            decision = reports[min(reports)][i].decision
             rows = [reports[k][i] if k in reports else rebuilt.get((self.seqs[i], k))
                     for k in range(len(self.workers))]
             rows = [r for r in rows if r is not None]
-            applied = [{"apply_s": r["apply_s"], "exchange_s": r["exchange_s"],
+            applied = [{"apply_s": r.apply_s, "exchange_s": r.exchange_s,
                         "step_s": step_s} for r in rows]
             if decision == "halt":
                 results.append(StepResult(rows, applied, len(self.workers), halted=True))
@@ -185,11 +187,11 @@ class WorkerSteps:
     def _summaries(self, compact: dict, step_s: float) -> list[StepResult]:
         """Every worker ran every step (the usual case): one result per step from
         worker 0's totals, each worker's figures on the last (O(1) per step)."""
-        rows = compact[0]["steps"]
-        tallies = {k: out["tally"] for k, out in compact.items()}
-        return [StepResult(None, [{"apply_s": row["apply_s"], "exchange_s": row["exchange_s"],
+        rows = compact[0].steps
+        tallies = {k: out.tally for k, out in compact.items()}
+        return [StepResult(None, [{"apply_s": row.apply_s, "exchange_s": row.exchange_s,
                                    "step_s": step_s}], len(self.workers),
-                           skipped=row["decision"] != "apply", step_s=step_s, summary=row,
+                           skipped=row.decision != "apply", step_s=step_s, summary=row,
                            tallies=tallies if i == len(rows) - 1 else None)
                 for i, row in enumerate(rows)]
 
@@ -212,9 +214,9 @@ class WorkerSteps:
                 meta = step_metas[k] if k < len(step_metas) else None
                 if meta is None or "report" not in meta:
                     continue
-                rows[(seq, k)] = {**meta["report"], "finite": meta["finite"], "data_s": 0.0,
-                                  "compute_s": 0.0, "exchange_s": 0.0, "apply_s": 0.0,
-                                  "rebuilt": True}
+                rows[(seq, k)] = StepReport(**{**meta["report"], "data_s": 0.0,
+                                               "compute_s": 0.0}, finite=meta["finite"],
+                                            rebuilt=True)
         return rows
 
     # -- backup workers ---------------------------------------------------------------------
@@ -248,7 +250,7 @@ class WorkerSteps:
                 outcome[index[ref.hex()]] = out
             if any(not isinstance(out, died) and _failed(out) for out in outcome.values()):
                 break
-            answers = [k for k in self._reporters if isinstance(outcome.get(k), dict)]
+            answers = [k for k in self._reporters if isinstance(outcome.get(k), CompactAnswer)]
             if answers:
                 answer = outcome[answers[0]]
             elif all(isinstance(outcome.get(k), died) for k in self._reporters):
@@ -295,8 +297,8 @@ class WorkerSteps:
         died = actor_died_errors()
         errors = [out for out in outcome.values()
                   if isinstance(out, BaseException) and not isinstance(out, died)]
-        errors += [out[-1]["error"] for out in outcome.values()
-                   if isinstance(out, list) and out and "error" in out[-1]]
+        errors += [out[-1].error for out in outcome.values()
+                   if isinstance(out, list) and out and isinstance(out[-1], StepRaised)]
         best: list = []
         for out in outcome.values():
             rows = _step_rows(out)
@@ -325,7 +327,7 @@ class WorkerSteps:
         read from a survivor's record of the steps' metas (Worker.recent_reports);
         unchanged when none can say."""
 
-        survivors = [k for k, out in outcome.items() if isinstance(out, (dict, list))]
+        survivors = [k for k, out in outcome.items() if isinstance(out, (CompactAnswer, list))]
         for k in survivors:
             try:
                 metas = fetch(self.workers[k].recent_reports.remote(self.seqs),
@@ -342,42 +344,41 @@ class WorkerSteps:
         """Read one worker's call under backup workers: count the get_batch batches it
         computed and saw dropped; False when it did not run every step it was
         given (its call stopped at a failure or an error)."""
-        if isinstance(out, dict):
-            batches, rows = out.get("dropped", (0, 0))
+        if isinstance(out, CompactAnswer):
+            batches, rows = out.dropped or (0, 0)
             if batches:
                 self.stragglers.count_dropped(slot, rows, batches)
             return True
         if isinstance(out, list):
-            rows = [r for r in out if r.get("dropped_rows") is not None]
+            rows = [r for r in out if isinstance(r, StepReport) and r.dropped_rows is not None]
             if rows:
-                self.stragglers.count_dropped(slot, sum(r["dropped_rows"] for r in rows),
-                                              len(rows))
-            return not out or not ("failure" in out[-1] or "error" in out[-1])
+                self.stragglers.count_dropped(slot, sum(r.dropped_rows for r in rows), len(rows))
+            return not out or isinstance(out[-1], StepReport)
         return out is None  # (a replacement's set_full_state); an exception: it failed
 
-    def _backup_results(self, answer: dict, step_s: float) -> list[StepResult]:
+    def _backup_results(self, answer: CompactAnswer, step_s: float) -> list[StepResult]:
         """One result per step from a reporter's compact answer: its totals and
         contributors; on the last applied step every contributor's figures; an
         epoch end or a halting non-finite step last, when the call ended so."""
-        workers, rows = len(self.workers), answer["steps"]
+        workers, rows = len(self.workers), answer.steps
         results = []
         for i, row in enumerate(rows):
-            contributors = row["contributors"]
+            contributors = row.contributors
             dropped = [s for s in range(self.config.num_workers) if s not in contributors]
             dropped_rows = []
             if self.datas is not None:  # a dataset: every slot out of the step skips its share
-                share = row["samples"] // max(1, len(contributors))
+                share = row.samples // max(1, len(contributors))
                 dropped_rows = [(s, share) for s in dropped]
             results.append(StepResult(
-                None, [{"apply_s": row["apply_s"], "exchange_s": row["exchange_s"],
-                        "step_s": step_s}], workers, skipped=row["decision"] != "apply",
+                None, [{"apply_s": row.apply_s, "exchange_s": row.exchange_s,
+                        "step_s": step_s}], workers, skipped=row.decision != "apply",
                 step_s=step_s, summary=row, contributors=contributors, dropped=dropped,
                 dropped_rows=dropped_rows,
-                tallies=answer["tallies"] if i == len(rows) - 1 else None))
-        if answer.get("end") == "epoch_end":
+                tallies=answer.tallies if i == len(rows) - 1 else None))
+        if answer.end == "epoch_end":
             results.append(StepResult([], [], workers, epoch_end=True))
-        elif answer.get("end") == "halt":
-            results.append(StepResult([{"nonfinite": answer["nonfinite"]}], [], workers,
+        elif answer.end == "halt":
+            results.append(StepResult([StepReport(nonfinite=answer.nonfinite)], [], workers,
                                       halted=True))
         return results
 
@@ -447,8 +448,9 @@ class WorkerSteps:
         dead = [e for e in outcome.values() if isinstance(e, died)]
         if dead:
             return dead[0]
-        failures = [r[-1]["failure"] for r in outcome.values()
-                    if isinstance(r, list) and r and "failure" in r[-1] and not r[-1]["abandoned"]]
+        failures = [r[-1].failure for r in outcome.values()
+                    if isinstance(r, list) and r and isinstance(r[-1], StepFailed)
+                    and not r[-1].abandoned]
         dead_ps = [e for e in failures if isinstance(e, died)]
         if dead_ps:
             return dead_ps[0]
@@ -475,29 +477,29 @@ class WorkerSteps:
 def _step_rows(out) -> list[tuple]:
     """(decision, contributors or None, summary or None) of each step a worker's call
     applied or skipped, from its answer (backup workers)."""
-    if isinstance(out, dict):
-        if out.get("steps") is not None:
-            return [(row["decision"], row["contributors"], row) for row in out["steps"]]
-        return [("skip" if i in out["skipped"] else "apply", None, None)
-                for i in range(out["compact"])]
+    if isinstance(out, CompactAnswer):
+        if out.steps is not None:
+            return [(row.decision, row.contributors, row) for row in out.steps]
+        return [("skip" if i in out.skipped else "apply", None, None)
+                for i in range(out.steps_run)]
     if not isinstance(out, list):
         return []
     rows = []
     for row in out:
-        if row.get("decision") not in ("apply", "skip"):
+        if not isinstance(row, StepReport) or row.decision not in ("apply", "skip"):
             break
-        rows.append((row["decision"], row.get("contributors"), None))
+        rows.append((row.decision, row.contributors, None))
     return rows
 
 
 def _failed(out) -> bool:
     """A worker's outcome that ends the attempt: its call raised, or it stopped at
     a failed exchange or a step that raised."""
-    if isinstance(out, dict):  # compact: every step applied or skipped
+    if isinstance(out, CompactAnswer):  # every step applied or skipped
         return False
     if not isinstance(out, list):
         return True
-    return bool(out) and ("failure" in out[-1] or "error" in out[-1])
+    return bool(out) and isinstance(out[-1], (StepFailed, StepRaised))
 
 
 def _first(errors: list) -> BaseException:

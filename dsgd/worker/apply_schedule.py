@@ -1,6 +1,6 @@
 """When a decided step's update runs on a worker of the overlapped exchange: at
 once, in two updates as the means arrive, or inside the next step's compiled
-call (`_Pending`). A mixin of `Worker` (dsgd/worker/worker.py), which holds
+call (`_Deferred`). A mixin of `Worker` (dsgd/worker/worker.py), which holds
 `replicas`, `applied_steps` and the exchange's buckets."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dsgd.comm import timeline
 
 
 @dataclasses.dataclass
-class _Pending:
+class _Deferred:
     """An overlapped step decided and read, whose update runs in the next step's
-    compiled call (Replicas.compute_sending's `pending`): the forward pass of
+    compiled call (Replicas.compute_sending's `deferred`): the forward pass of
     the first layers then overlaps the update of the others. Kept only within
     one exchange_steps call (flushed at its end, so that weights read between
     calls are the applied step's)."""
@@ -36,10 +36,10 @@ class ApplySchedule:
         # least this share of the gradient's bytes (constants.APPLY_SPLIT_MIN_PENDING).
         self.split_apply_min_share = constants.APPLY_SPLIT_MIN_PENDING
         # Overlapped steps: apply a decided step's means inside the next step's compiled
-        # call when one follows in the same exchange_steps call (`_Pending`).
+        # call when one follows in the same exchange_steps call (`_Deferred`).
         self.defer_apply = True
         self.deferred_applies = 0  # steps applied so, in all
-        self._pending: _Pending | None = None
+        self._deferred: _Deferred | None = None
 
     def _apply_arriving(self, sending, buckets) -> float:
         """Apply the step's means as they arrive, in the order the backward pass
@@ -53,7 +53,7 @@ class ApplySchedule:
         step's nor the last (the driver recovers it like any dead worker).
         When another step follows in this exchange_steps call (and
         `defer_apply`), the means are only read: the step is applied, whole, in
-        the next step's compiled call, beside its forward pass (`_Pending`).
+        the next step's compiled call, beside its forward pass (`_Deferred`).
         Returns the seconds spent applying here."""
         from dsgd.comm import timeline
 
@@ -63,8 +63,8 @@ class ApplySchedule:
         if self.plan.may_defer and self.defer_apply and self._next_in_call \
                 and not self.replicas.eager:
             means = self._read_means(sending, buckets, tuple(range(count)))
-            self._pending = _Pending(sending, [means[j] for j in range(len(means))], step)
-            return 0.0  # (counted in applied_steps once applied: `_pending_applied`)
+            self._deferred = _Deferred(sending, [means[j] for j in range(len(means))], step)
+            return 0.0  # (counted in applied_steps once applied: `_deferred_applied`)
         stages = [tuple(range(count))]  # one update of everything, unless:
         if self.plan.may_stage and self.replicas.per_group_blocker is None:
             ready = sending.ready_prefix()
@@ -116,49 +116,49 @@ class ApplySchedule:
                        time.perf_counter() + to_wall, step=step)
         return means
 
-    def _pending_applied(self, pending: _Pending, started: float) -> None:
-        """`pending` was applied, whole, in the compiled call begun at `started`
+    def _deferred_applied(self, deferred: _Deferred, started: float) -> None:
+        """`deferred` was applied, whole, in the compiled call begun at `started`
         (compute_sending): release its means and draw the timeline's apply span
         (from the call's start to the end of the update)."""
         from dsgd.comm import timeline
 
-        self._pending = None
+        self._deferred = None
         self.applied_steps += 1
         self.deferred_applies += 1
-        pending.sending.release_means()
+        deferred.sending.release_means()
         tl = timeline.recorder()
         if tl.on and self.replicas.applied_at is not None:
             to_wall = time.time() - time.perf_counter()
             tl.add(f"apply group {', '.join(map(str, range(len(self._buckets.groups))))} "
                    "(in the next step's call)", "apply", started + to_wall,
-                   self.replicas.applied_at + to_wall, step=pending.step)
+                   self.replicas.applied_at + to_wall, step=deferred.step)
 
-    def _flush_pending(self) -> None:
-        """Apply a decided step kept for the next step's compiled call (`_Pending`)
+    def _apply_deferred(self) -> None:
+        """Apply a decided step kept for the next step's compiled call (`_Deferred`)
         now: the call's last step, or the next did not get that far. An error
         applying it is raised, as `apply` raises it for a step applied at once."""
         from dsgd.comm import timeline
 
-        pending = self._pending
-        if pending is None:
+        deferred = self._deferred
+        if deferred is None:
             return
         started = time.perf_counter()
-        self._pending = None
+        self._deferred = None
         try:
-            self.replicas.apply(pending.shards)
+            self.replicas.apply(deferred.shards)
         finally:
-            pending.sending.release_means()
+            deferred.sending.release_means()
         self.applied_steps += 1
         tl = timeline.recorder()
         if tl.on:
             to_wall = time.time() - time.perf_counter()
             tl.add(f"apply group {', '.join(map(str, range(len(self._buckets.groups))))}",
-                   "apply", started + to_wall, time.perf_counter() + to_wall, step=pending.step)
+                   "apply", started + to_wall, time.perf_counter() + to_wall, step=deferred.step)
 
     def _step_number(self) -> int:
         """The number of the step this worker is at: the steps it has applied, and
-        one decided and kept for the next call's update (`_Pending`), plus one."""
-        return self.applied_steps + (self._pending is not None) + 1
+        one decided and kept for the next call's update (`_Deferred`), plus one."""
+        return self.applied_steps + (self._deferred is not None) + 1
 
     def _exit_partly_applied(self, e: BaseException, step: int | None = None) -> None:
         import sys

@@ -12,6 +12,7 @@ import time
 
 import ray
 
+from dsgd.comm.reports import CompactAnswer, StepFailed, StepReport
 from dsgd.errors import picklable_error
 
 
@@ -109,23 +110,22 @@ class ExchangeSession:
         i's exchange (the same on every worker); `datas` None: every step's
         batches from get_batch.
 
-        Returns one report per step run, as `local_step`'s plus `exchange_s`,
-        `apply_s`, `nonfinite` (every worker's non-finite (slot, replica)) and
-        `decision`; fewer than asked at an epoch's end, after a halting
-        non-finite step, at a step that raised (then a last {"error": e}), or
-        when the exchange failed (a dead or hung peer or PS: a last
-        {"failure": e}; nothing of that step was applied here). After a halt,
+        Returns one StepReport per step run (dsgd/comm/reports.py: as
+        `local_step`'s plus `exchange_s`, `apply_s`, `nonfinite`: every worker's
+        non-finite (slot, replica), and `decision`); fewer than asked at an
+        epoch's end, after a halting non-finite step, at a step that raised
+        (then a last StepRaised), or when the exchange failed (a dead or hung
+        peer or PS: a last StepFailed; nothing of that step was applied here). After a halt,
         an error or a failure, later calls of the same `run` return [] at once:
         steps queued behind it must not run. Blocks; each exchange waits at
         most the `join` timeout.
 
         `compact`: when every step asked was applied or skipped, return instead
-        {"compact": n steps, "tally": this worker's figures over them
-        (dsgd/comm/reports.py), "steps": one `step_summary` per step (every
-        worker's totals, from the metas) if `reporter`, else None, "skipped":
-        the positions of the skipped steps}, so that
-        what the driver reads per step does not grow with the workers; any
-        other ending returns the list above.
+        a `CompactAnswer` (its steps, this worker's figures over them, one
+        `StepSummary` per step if `reporter`: every worker's totals, from the
+        metas; the positions of the skipped steps), so that what the driver
+        reads per step does not grow with the workers; any other ending
+        returns the list above.
 
         Backup workers (`join` with a `need`): each step's contributors are
         the first `need` workers to have their whole gradient (PS 0 chooses;
@@ -135,8 +135,8 @@ class ExchangeSession:
         sits the step out (no batch read or drawn, no gradient computed) and
         only applies the mean, until it has caught up. Its reports say
         `contributed` / `sat_out`; the reporter's compact answer carries every
-        contributor's tally ("tallies", by slot, from the metas), and each
-        worker's "dropped": [batches, rows] it computed from get_batch and saw
+        contributor's tally (`tallies`, by slot, from the metas), and each
+        worker's `dropped`: [batches, rows] it computed from get_batch and saw
         dropped."""
         if run == self._halted_run:
             return []
@@ -144,10 +144,10 @@ class ExchangeSession:
             return self._run_exchange_steps(datas, seqs, run, compact, reporter)
         finally:
             # A step decided last in this call, or before one that stopped, and kept for
-            # the next step's compiled call (`_Pending`): applied now, so that what is
+            # the next step's compiled call (`_Deferred`): applied now, so that what is
             # read between calls (weights, checkpoints) is every decided step's.
             self._next_in_call = False
-            self._flush_pending()
+            self._apply_deferred()
             # This call's last step's parts (kept for a peer's fallback) are not kept
             # beyond the call, so the store drains between calls; but after a fallback
             # (a PS died) they are kept until the driver has replaced it (`join`): the
@@ -158,7 +158,7 @@ class ExchangeSession:
                 self._sendings.clear()
 
     def _run_exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool,
-                        reporter: bool) -> list[dict] | dict:
+                            reporter: bool) -> list | CompactAnswer:
         from dsgd.comm.waits import actor_died_errors
         from dsgd.errors import ExchangeAbandoned, StepTimeoutError
 
@@ -178,59 +178,59 @@ class ExchangeSession:
                 # group parts put for the PS), which the returned error would keep.
                 failure = picklable_error(e).with_traceback(None)
                 failure.__context__ = failure.__cause__ = None
-                infos.append({"failure": failure, "abandoned": isinstance(e, ExchangeAbandoned)})
+                infos.append(StepFailed(failure, abandoned=isinstance(e, ExchangeAbandoned)))
                 break
             except Exception as e:
                 self._halted_run = run
                 infos.append(self._step_error(e, infos, len(datas), "steps"))
                 break
             infos.append(info)
-            if info.get("epoch_end"):
+            if info.epoch_end:
                 break
-            if info["decision"] == "halt":
+            if info.decision == "halt":
                 self._halted_run = run
                 break
         backups = self._exchange[0].choosing
-        done = [i for i in infos if i.get("decision") in ("apply", "skip")]
+        done = [i for i in infos if isinstance(i, StepReport) and i.decision in ("apply", "skip")]
         end = None
-        if backups and infos and len(done) == len(infos) - 1:
-            end = "epoch_end" if infos[-1].get("epoch_end") else \
-                "halt" if infos[-1].get("decision") == "halt" else None
+        if backups and infos and len(done) == len(infos) - 1 and isinstance(infos[-1], StepReport):
+            end = "epoch_end" if infos[-1].epoch_end else \
+                "halt" if infos[-1].decision == "halt" else None
         if compact and (len(done) == len(seqs) or end is not None):
             out = self._compact(done, seqs[:len(done)], reporter, backups)
             if end is not None:  # (backup workers: the driver reads the reporters only)
-                out["end"] = end
+                out.end = end
                 if end == "halt":
-                    out["nonfinite"] = infos[-1]["nonfinite"]
+                    out.nonfinite = infos[-1].nonfinite
             return out
         return infos
 
-    def _compact(self, infos: list[dict], seqs: list[int], reporter: bool,
-                 backups: bool = False) -> dict:
+    def _compact(self, infos: list, seqs: list[int], reporter: bool,
+                 backups: bool = False) -> CompactAnswer:
         from dsgd.comm import reports
 
         tally = reports.worker_tally()
         for info in infos:
-            if not backups or info["contributed"]:
+            if not backups or info.contributed:
                 reports.add_step(tally, info)
         steps = [reports.step_summary([m for m in self._recent_metas[seq] if m is not None],
                                       info) for seq, info in zip(seqs, infos)] if reporter else None
-        out = {"compact": len(infos), "tally": tally, "steps": steps,
-               "skipped": [i for i, info in enumerate(infos) if info["decision"] == "skip"]}
+        out = CompactAnswer(len(infos), tally, steps,
+                            [i for i, info in enumerate(infos) if info.decision == "skip"])
         if backups:
-            dropped = [i for i in infos if i.get("dropped_rows") is not None]
-            out["dropped"] = [len(dropped), sum(i["dropped_rows"] for i in dropped)]
+            dropped = [i for i in infos if i.dropped_rows is not None]
+            out.dropped = [len(dropped), sum(i.dropped_rows for i in dropped)]
             if reporter:  # every contributor's figures, from the metas (not only this worker's)
                 tallies: dict = {}
                 for seq in seqs:
                     for m in self._recent_metas[seq]:
                         if m is not None:
                             reports.add_step(tallies.setdefault(m["slot"], reports.worker_tally()),
-                                             m["report"])
-                out["tallies"] = tallies
+                                             StepReport(**m["report"]))
+                out.tallies = tallies
         return out
 
-    def _step(self, data, seq: int) -> dict:
+    def _step(self, data, seq: int) -> StepReport:
         """One step, the one state machine of every plan (`StepPlan`), in phases:
         data, compute and send (`_compute_sending`: each bucket goes to its PS
         during the backward pass, from inside the compiled step, or once the
@@ -269,20 +269,26 @@ class ExchangeSession:
         losses, finite, metrics = computed
         finite = finite.numpy().tolist()
         computed_at = time.perf_counter()
-        report = {"losses": losses.numpy().tolist(), "finite": finite,
-                  "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
-                  "samples": samples, "data_s": data_s, "compute_s": computed_at - start}
+        report = StepReport(losses=losses.numpy().tolist(), finite=finite,
+                            metrics={k: v.numpy().tolist() for k, v in metrics.items()},
+                            samples=samples, data_s=data_s, compute_s=computed_at - start)
         mine = commit.meta(self.worker_index, finite, list(metrics),
-                           report={k: report[k] for k in ("losses", "metrics", "samples",
-                                                          "data_s", "compute_s")})
-        metas = self._arrive(seq, sending, mine, report, dropped=samples if data is None else None)
+                           report={"losses": report.losses, "metrics": report.metrics,
+                                   "samples": samples, "data_s": data_s,
+                                   "compute_s": report.compute_s})
+        metas, contributed = self._arrive(seq, sending, mine)
+        if contributed is not None:  # backup workers
+            report.contributors = sorted(m["slot"] for m in metas)
+            report.contributed = contributed
+            if not contributed and data is None:
+                report.dropped_rows = samples  # a get_batch batch computed for nothing
         decision, apply_s = self._decide_and_apply(sending, metas)
         if decision is None:  # (backup workers: the contributors' data ended, this
-            return {"epoch_end": True}  # worker's not yet)
+            return StepReport(epoch_end=True)  # worker's not yet)
         end = time.perf_counter()
-        report.update(exchange_s=end - computed_at - apply_s, apply_s=apply_s,
-                      applied=decision.action == commit.APPLY, decision=decision.action,
-                      nonfinite=list(decision.nonfinite))
+        report.exchange_s, report.apply_s = end - computed_at - apply_s, apply_s
+        report.applied, report.decision = decision.action == commit.APPLY, decision.action
+        report.nonfinite = list(decision.nonfinite)
         self._record_step(seq, start, start + data_s, computed_at, end)
         return report
 
@@ -290,7 +296,7 @@ class ExchangeSession:
         """Phases data, compute and send: ((losses, finite, metrics) of the compiled
         step, or None at the end of the data; samples; data_s). The buckets leave
         during the backward pass (`StepPlan.during_backward`: a decided step kept
-        for this call, `_Pending`, is applied inside it) or once the whole
+        for this call, `_Deferred`, is applied inside it) or once the whole
         gradient is computed. On an error every worker is told (no gradient,
         this error) so that none waits for this one, then it is raised."""
         from dsgd.comm import commit
@@ -301,7 +307,7 @@ class ExchangeSession:
             sending.send(g, tuple(arrays[p.var_index][p.var_offset:p.var_offset + p.length]
                                   for j in groups[g] for p in shards[j].pieces))
 
-        pending, fused = self._pending, None  # the last step's means, applied in this call
+        deferred, fused = self._deferred, None  # the last step's means, applied in this call
         try:
             batches, samples = self._batches(data)
             data_s = time.perf_counter() - start
@@ -314,19 +320,19 @@ class ExchangeSession:
                 for g, group in enumerate(groups):
                     sending.send(g, tuple(piece for j in group for piece in pieces[j]))
                 return (losses, finite, metrics), samples, data_s
-            fused = time.perf_counter() if pending is not None else None
+            fused = time.perf_counter() if deferred is not None else None
             losses, finite, metrics, _ = self.replicas.compute_sending(
-                groups, batches, send, pending=None if pending is None else pending.shards)
+                groups, batches, send, deferred=None if deferred is None else deferred.shards)
             if fused is not None:
-                self._pending_applied(pending, fused)
+                self._deferred_applied(deferred, fused)
             return (losses, finite, metrics), samples, data_s
         except Exception as e:
-            if fused is not None and self._pending is pending:
-                ran = self.replicas.pending_applied
+            if fused is not None and self._deferred is deferred:
+                ran = self.replicas.deferred_applied
                 if ran is False:  # (the last step's update may have run in part)
                     self._exit_partly_applied(e, self._step_number() - 1)
                 if ran:
-                    self._pending_applied(pending, fused)
+                    self._deferred_applied(deferred, fused)
                 # (else it did not run: exchange_steps applies it on its own, or raises)
             try:  # no PS or peer waits for this worker's gradient: they stop now
                 sending.send_rest()
@@ -336,7 +342,7 @@ class ExchangeSession:
                 pass
             raise
 
-    def _data_ended(self, seq: int, sending, start: float) -> dict:
+    def _data_ended(self, seq: int, sending, start: float) -> StepReport:
         """This worker's data ended: it sends nothing and arrives without compute.
         Without backup workers the step ends for everyone (commit.decide raises
         unless every worker's epoch ended); with them the contributors may still
@@ -347,35 +353,31 @@ class ExchangeSession:
         ended = commit.meta(self.worker_index, None, None)
         if not sending.chosen_later:
             commit.decide(sending.metas(ended), self._exchange[2])
-            return {"epoch_end": True}
+            return StepReport(epoch_end=True)
         chosen, metas, contributed = sending.choose(ended)
         self._late = not contributed
         return self._observe(seq, sending, chosen, metas, start, sat_out=False)
 
-    def _arrive(self, seq: int, sending, mine: dict, report: dict, dropped: int | None) -> list:
-        """Phase arrive: every contributor's meta, in rank order of the contributors
-        (PS 0 gathers every worker's, or with backup workers names the first
-        `need`). Keeps this step's `StepExchange` while a peer may still ask for its
-        parts, and the metas for reports. `dropped`: the rows of a get_batch
-        batch, counted as dropped if this worker is not a contributor."""
+    def _arrive(self, seq: int, sending, mine: dict) -> tuple[list, bool | None]:
+        """Phase arrive: (every contributor's meta, in rank order of the
+        contributors; whether this worker is one, None without backup workers).
+        PS 0 gathers every worker's meta, or with backup workers names the first
+        `need`. Keeps this step's `StepExchange` while a peer may still ask for
+        its parts, and the metas for reports."""
         if not sending.chosen_later:
             metas = sending.metas(mine)
             # Every worker has applied the last step (each sends its meta only after): no
             # peer's fallback can ask for its parts any more.
             self._sendings = {seq: sending}
             self._keep_metas(seq, metas)
-            return metas
+            return metas, None
         chosen, metas, contributed = sending.choose(mine)
         self._late = not contributed
         self._keep_metas(seq, self._by_rank(chosen, metas))
-        report.update(contributors=sorted(m["slot"] for m in metas),
-                      contributed=contributed, sat_out=False)
-        if not contributed and dropped is not None:
-            report["dropped_rows"] = dropped  # a get_batch batch computed for nothing
         # (a worker of the last step's contributors may still be applying it: its
         # fallback may ask for this worker's parts of it)
         self._sendings = {k: v for k, v in self._sendings.items() if k >= seq - 1}
-        return metas
+        return metas, contributed
 
     def _decide_and_apply(self, sending, metas: list) -> tuple:
         """Phases decide and apply: the step decided from the contributors' metas,
@@ -396,10 +398,10 @@ class ExchangeSession:
         return decision, apply_s
 
     def _applied_from(self, sending) -> None:
-        """A step's means are applied (or kept for the next call: `_Pending`): drop
+        """A step's means are applied (or kept for the next call: `_Deferred`): drop
         the references to them, and note the buckets averaged here because their
         PS died (the next step stops at its start naming it)."""
-        if self._pending is None or self._pending.sending is not sending:
+        if self._deferred is None or self._deferred.sending is not sending:
             sending.release_means()
         if sending.fell_back:
             self.buckets_averaged_here += len(sending.fell_back)
@@ -412,14 +414,14 @@ class ExchangeSession:
             full[r] = m
         return full
 
-    def _sat_out(self, seq: int, label: str, answer: tuple, start: float) -> dict:
-        """(backup workers, overlapped) This late worker sits step `seq` out: its
+    def _sat_out(self, seq: int, label: str, answer: tuple, start: float) -> StepReport:
+        """(backup workers) This late worker sits step `seq` out: its
         contributors were chosen already (`answer`: PSClient.decided). Nothing is
         computed; every bucket is joined without a part and the means applied as
-        they arrive. A step of its own kept for this call (`_Pending`) is applied
+        they arrive. A step of its own kept for this call (`_Deferred`) is applied
         first, on its own."""
         client = self._exchange[0]
-        self._flush_pending()
+        self._apply_deferred()
         chosen, metas, _ = answer
         sending = client.sending(self._buckets, seq, label)
         sending.chosen = tuple(chosen)
@@ -428,8 +430,8 @@ class ExchangeSession:
         return self._observe(seq, sending, chosen, metas, start, sat_out=True)
 
     def _observe(self, seq: int, sending, chosen: list[int], metas: list[dict], start: float,
-                 sat_out: bool) -> dict:
-        """(backup workers, overlapped) Arrive without compute: step `seq` without a
+                 sat_out: bool) -> StepReport:
+        """(backup workers) Arrive without compute: step `seq` without a
         part of this worker's in its mean (`chosen`: its contributors, `metas`
         theirs), decided as they do and its means applied as they arrive.
         `sat_out`: nothing was computed (else this worker's data had ended).
@@ -441,14 +443,14 @@ class ExchangeSession:
         sent = time.perf_counter()
         decision, apply_s = self._decide_and_apply(sending, metas)
         if decision is None:
-            return {"epoch_end": True}
+            return StepReport(epoch_end=True)
         end = time.perf_counter()
         self._record_step(seq, start, sent, sent, end, sat_out=sat_out)
-        return {"exchange_s": end - sent - apply_s, "apply_s": apply_s,
-                "applied": decision.action == commit.APPLY, "decision": decision.action,
-                "nonfinite": list(decision.nonfinite),
-                "contributors": sorted(m["slot"] for m in metas),
-                "contributed": False, "sat_out": sat_out}
+        return StepReport(exchange_s=end - sent - apply_s, apply_s=apply_s,
+                          applied=decision.action == commit.APPLY, decision=decision.action,
+                          nonfinite=list(decision.nonfinite),
+                          contributors=sorted(m["slot"] for m in metas),
+                          contributed=False, sat_out=sat_out)
 
     @ray.method(concurrency_group="peer")
     def parts_of(self, seq: int, g: int) -> list:

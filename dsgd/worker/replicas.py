@@ -53,7 +53,7 @@ class Replicas:
         self._stages: dict = {}  # shard groups -> [_Stage], for apply_stage
         self._sending_fns: dict = {}  # shard groups -> compiled compute_sending
         self._sender: Callable | None = None  # compute_sending's receiver, during its call
-        self.pending_applied, self.applied_at = True, None  # compute_sending(pending=...)
+        self.deferred_applied, self.applied_at = True, None  # compute_sending(deferred=...)
 
     def use_eager(self) -> None:
         """Local mode (dsgd/engine/local.py): steps run uncompiled, for debuggers."""
@@ -165,7 +165,7 @@ class Replicas:
         self._apply_fn = compiled(self._apply_graph)
         self._stages = {}
         self._sending_fns = {}
-        self.pending_applied, self.applied_at = True, None
+        self.deferred_applied, self.applied_at = True, None
 
     @property
     def mark_forward(self) -> bool:
@@ -204,7 +204,7 @@ class Replicas:
         return self._compute_fn(self._tensors(batches))
 
     def compute_sending(self, groups: tuple[tuple[int, ...], ...], batches: list | None,
-                        sender: Callable, pending: list | None = None):
+                        sender: Callable, deferred: list | None = None):
         """`compute`, but the gradient leaves during the backward pass: for each
         group of shard indices in `groups`, one op of the compiled step, whose
         inputs are the wire gradients of the variables with pieces in those
@@ -219,38 +219,38 @@ class Replicas:
         error is raised here). Returns (losses [D], finite [D], metrics {name:
         [D]}): the step's figures, the gradient itself having left.
 
-        `pending`: the last step's mean shards (as `apply` takes them, kept
+        `deferred`: the last step's mean shards (as `apply` takes them, kept
         alive and unchanged by the caller until this returns), applied first in
         the same compiled call, exactly as `apply` would: TensorFlow orders each
         variable's reads after its update within one tf.function, so the forward
         pass of the first layers runs while the later layers' variables are
         still being updated. Afterwards, even after an error,
-        `pending_applied` says whether that update ran whole (True), may have
+        `deferred_applied` says whether that update ran whole (True), may have
         run in part (False) or did not run at all (None: the call failed before
         running, e.g. tracing), and `applied_at` (perf_counter) when it was
         done. Not in eager mode."""
         import tensorflow as tf
 
-        key = (groups, pending is not None)
+        key = (groups, deferred is not None)
         fn = self._sending_fns.get(key)
         if fn is None:
             graph = functools.partial(self._compute_sending_graph, groups)
-            if pending is not None:
+            if deferred is not None:
                 if self.eager:
-                    raise DsgdError("compute_sending: a pending apply needs the compiled step "
+                    raise DsgdError("compute_sending: a deferred apply needs the compiled step "
                                     "(not eager mode)")
                 graph = functools.partial(self._apply_then_sending_graph, groups)
             fn = self._sending_fns[key] = graph if self.eager else \
                 tf.function(graph, reduce_retracing=True)
         self._sender = sender
         try:
-            if pending is None:
+            if deferred is None:
                 return fn(self._tensors(batches))
-            addresses, byte_sizes = self._shard_addresses(pending)
+            addresses, byte_sizes = self._shard_addresses(deferred)
             tensors = self._tensors(batches)
-            self.pending_applied, self.applied_at = None, None
+            self.deferred_applied, self.applied_at = None, None
             fn.get_concrete_function(tensors, addresses, byte_sizes)  # (a tracing error: none ran)
-            self.pending_applied = False
+            self.deferred_applied = False
             return fn(tensors, addresses, byte_sizes)
         finally:
             self._sender = None
@@ -288,7 +288,7 @@ class Replicas:
         return losses, finite, metrics, tf.concat([sent, tf.reshape(noted, [1])], 0)
 
     def _note_applied(self, whole) -> np.ndarray:
-        self.pending_applied, self.applied_at = True, time.perf_counter()
+        self.deferred_applied, self.applied_at = True, time.perf_counter()
         return np.True_
 
     def _compute_sending_graph(self, groups, batches):

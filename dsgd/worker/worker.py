@@ -37,6 +37,7 @@ import numpy as np
 import ray
 
 from dsgd.comm import store, timeline
+from dsgd.comm.reports import StepRaised, StepReport
 from dsgd.comm.sharding import ShardPlan
 from dsgd.errors import DsgdError, picklable_error
 from dsgd.model import Model
@@ -132,7 +133,7 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
         loaded = self._loaders[key].batches(arg, self.replicas.num_devices)
         return loaded if loaded is not None else (None, 0)
 
-    def local_step(self, data=None) -> dict:
+    def local_step(self, data=None) -> StepReport:
         """A whole step with no exchange (num_workers == 1). Blocks until applied.
         `finite` says which replicas' gradients were finite; `applied` whether
         the update ran (not with a non-finite gradient and on_nonfinite="skip");
@@ -140,7 +141,7 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
         start = time.perf_counter()
         batches, samples = self._batches(data)
         if batches is None:
-            return {"epoch_end": True}
+            return StepReport(epoch_end=True)
         data_s = time.perf_counter() - start
         self.begin_compute()
         losses, finite, metrics = self.replicas.local_step(batches)
@@ -157,18 +158,19 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
             tl.add("compute and apply", "step", start + data_s + to_wall, computed + to_wall,
                    step=self.applied_steps)
             self.forward_backward_spans(tl, start + data_s, computed, self.applied_steps)
-        return {"losses": losses.numpy().tolist(), "finite": finite, "applied": applied,
-                "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
-                "samples": samples, "data_s": data_s, "compute_s": time.perf_counter() - start}
+        return StepReport(losses=losses.numpy().tolist(), finite=finite, applied=applied,
+                          metrics={k: v.numpy().tolist() for k, v in metrics.items()},
+                          samples=samples, data_s=data_s, compute_s=time.perf_counter() - start)
 
-    def local_steps(self, datas: list, run: int, timeline_on: bool = False) -> list[dict]:
-        """Several `local_step`s in one call (one worker, `train()`): one info per
-        step run, in order; `timeline_on`: record each step's `data` and `compute
-        and apply` on the timeline (dsgd/comm/timeline.py). Stops after a step whose data's epoch ended, and after
-        a step with a non-finite gradient under on_nonfinite="raise" (that step
-        was applied, as with `local_step`), or at a step that raised (raised
-        here if it was the first, else returned as a last {"error": exception}
-        after the infos of the steps applied before it); later calls with the
+    def local_steps(self, datas: list, run: int, timeline_on: bool = False) -> list:
+        """Several `local_step`s in one call (one worker, `train()`): one
+        StepReport per step run, in order; `timeline_on`: record each step's
+        `data` and `compute and apply` on the timeline (dsgd/comm/timeline.py).
+        Stops after a step whose data's epoch ended, and after a step with a
+        non-finite gradient under on_nonfinite="raise" (that step was applied,
+        as with `local_step`), or at a step that raised (raised here if it was
+        the first, else returned as a last StepRaised after the reports of the
+        steps applied before it); later calls with the
         same `run` then return [] without running anything, so that steps
         queued behind it are not applied. Blocks until the steps are applied."""
         if run == self._halted_run:
@@ -184,38 +186,38 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
                 infos.append(self._step_error(e, infos, len(datas), "local steps"))
                 break
             infos.append(info)
-            if info.get("epoch_end"):
+            if info.epoch_end:
                 break
-            if not all(info["finite"]) and info["applied"]:
+            if not all(info.finite) and info.applied:
                 self._halted_run = run
                 break
         return infos
 
-    def _step_error(self, e: Exception, infos: list, total: int, what: str) -> dict:
+    def _step_error(self, e: Exception, infos: list, total: int, what: str) -> StepRaised:
         """A step of a call of several raised: re-raised if it was the first (nothing
         applied); else the steps before it were applied, so it is reported after
-        them, as {"error": e}, with a note saying which step of the call it was."""
+        them, as a `StepRaised`, with a note saying which step of the call it was."""
         if not infos:
             raise e
         e.add_note(f"(worker {self.worker_index}, step {len(infos) + 1} of a call of {total} "
                    f"{what}; the {len(infos)} before it were applied)")
-        return {"error": picklable_error(e)}
+        return StepRaised(picklable_error(e))
 
     def compute(self, groups: tuple[tuple[int, ...], ...], data=None,
                 timeline_on: bool = False):
         """This step's gradients, averaged across local replicas, streamed group by
-        group. A generator (call with num_returns="streaming"): yields the info
-        dict, then for each group of shard indices one flat tuple of the pieces of
+        group. A generator (call with num_returns="streaming"): yields its
+        StepReport, then for each group of shard indices one flat tuple of the pieces of
         its shards, in order. Each yield becomes its own object, in the store as
         soon as it is written, so a PS can sum group g while group g+1 is being
-        written. At the end of `data`'s epoch it yields only {"epoch_end": True}.
+        written. At the end of `data`'s epoch it yields only a StepReport(epoch_end=True).
         `timeline_on`: record the step's `data` and `compute` and each group's
         write (the driver-relayed exchange's timeline; dsgd/comm/timeline.py)."""
         tl = self.use_timeline(timeline_on)
         start = time.perf_counter()
         batches, samples = self._batches(data)
         if batches is None:
-            yield {"epoch_end": True}
+            yield StepReport(epoch_end=True)
             return
         data_s = time.perf_counter() - start
         self.begin_compute()
@@ -227,9 +229,9 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
             tl.add("data", "step", start + to_wall, start + data_s + to_wall, step=step)
             tl.add("compute", "step", start + data_s + to_wall, time.time(), step=step)
             self.forward_backward_spans(tl, start + data_s, time.perf_counter(), step)
-        yield {"losses": losses.numpy().tolist(), "finite": finite.numpy().tolist(),
-               "metrics": {k: v.numpy().tolist() for k, v in metrics.items()},
-               "samples": samples, "data_s": data_s, "compute_s": time.perf_counter() - start}
+        yield StepReport(losses=losses.numpy().tolist(), finite=finite.numpy().tolist(),
+                         metrics={k: v.numpy().tolist() for k, v in metrics.items()},
+                         samples=samples, data_s=data_s, compute_s=time.perf_counter() - start)
         for g, group in enumerate(groups):  # (Ray's generator wrapper cannot `yield from`)
             written = time.time() if tl.on else 0.0
             yield tuple(piece for j in group for piece in pieces[j])
