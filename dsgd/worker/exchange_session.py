@@ -190,7 +190,7 @@ class ExchangeSession:
             if info.decision == "halt":
                 self._halted_run = run
                 break
-        backups = self._exchange[0].choosing
+        backups = self.plan.chosen
         done = [i for i in infos if isinstance(i, StepReport) and i.decision in ("apply", "skip")]
         end = None
         if backups and infos and len(done) == len(infos) - 1 and isinstance(infos[-1], StepReport):
@@ -258,7 +258,7 @@ class ExchangeSession:
             raise died(f"worker {self.worker_index} {label}: PS actor(s) "
                        f"{', '.join(client.names[j] for j in dead)} died (the last step's "
                        "means were made by the workers)", ps=dead)
-        answer = client.decided(seq, label) if client.choosing and self._late else None
+        answer = client.decided(seq, label) if self.plan.chosen and self._late else None
         if answer is not None:
             return self._sat_out(seq, label, answer, start)
         sending = client.sending(self._buckets, seq, label)
