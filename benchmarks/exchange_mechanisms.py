@@ -65,14 +65,12 @@ import sys
 import threading
 import time
 
-os.environ["DSGD_NO_TENSORFLOW"] = "1"  # before dsgd: this benchmark needs no TensorFlow
+import numpy as np
+import ray
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-
-from dsgd import constants  # noqa: E402
-from dsgd.comm.param_server import ParameterServer, ps_actor_class  # noqa: E402
-from dsgd.comm.sharding import Piece, Shard  # noqa: E402
+from dsgd import constants
+from dsgd.comm.param_server import ParameterServer, ps_actor_class
+from dsgd.comm.sharding import Piece, Shard
 
 MIB = 2**20
 MECHANISMS = ("rendezvous", "compiled", "compiled_collect", "driver_relayed")
@@ -246,7 +244,7 @@ class Exchange:
         # larger write resizes the channel, and after a resize teardown() never
         # returns (README). So every actor gets the size through that variable.
         self.buffer_bytes = 4 * max(sizes) + 64 * 1024
-        env = {"env_vars": dict(constants.PS_RUNTIME_ENV["env_vars"])}
+        env = {"env_vars": dict(constants.ACTOR_RUNTIME_ENV["env_vars"])}
         if size_channels:  # False: only resize_probe, to show what happens without it
             env["env_vars"]["RAY_CGRAPH_buffer_size_bytes"] = str(self.buffer_bytes)
         self.worker_cls = ray.remote(num_cpus=1)(Worker).options(runtime_env=env)
@@ -611,7 +609,7 @@ def main(argv=None) -> dict:
     ray.init(num_cpus=max(*args.workers, args.compute_workers) + 2,
              object_store_memory=int(args.store_gib * 2**30),
              include_dashboard=False, log_to_driver=False,
-             runtime_env=constants.PS_RUNTIME_ENV)
+             runtime_env=constants.ACTOR_RUNTIME_ENV)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
     result = {"benchmark": "exchange_mechanisms", "quick": args.quick,

@@ -8,14 +8,13 @@ from dsgd.native import installation as _installation
 # root): a clear ImportError saying what to do, before anything needs them.
 _installation.check_compiled(_os.path.dirname(_os.path.abspath(__file__)))
 
-# TensorFlow's start-up probing lines (no CUDA driver, cuInit, oneDNN) are dropped here,
-# in every dsgd actor and in a script that imports dsgd first: dsgd/tf_logging.py. Not
-# in a PS actor's process, which never uses TensorFlow (constants.PS_RUNTIME_ENV).
-from dsgd import constants as _constants  # noqa: E402
-from dsgd.tf_logging import import_tensorflow as _import_tensorflow  # noqa: E402
+# TensorFlow's start-up probing lines (no CUDA driver, cuInit, oneDNN) are dropped from
+# whichever import of TensorFlow comes first after this one, in a dsgd actor or a user's
+# script that imports dsgd first: dsgd/tf_logging.py. Nothing here imports TensorFlow: a
+# process that never uses it (a PS actor, a data-download task) does not pay for it.
+from dsgd.tf_logging import filter_tensorflow_import as _filter_tensorflow_import  # noqa: E402
 
-if _os.environ.get(_constants.NO_TENSORFLOW_VARIABLE) != "1":
-    _import_tensorflow()
+_filter_tensorflow_import()
 
 from dsgd.progress import show_log_lines as _show_log_lines  # noqa: E402
 

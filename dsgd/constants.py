@@ -102,13 +102,6 @@ PS_NAME_PREFIX = "dsgd-ps-"
 # does not, so no privilege is needed). Merged with the job's runtime_env env_vars by Ray.
 ACTOR_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 
-# `import dsgd` imports TensorFlow at once (to drop its start-up probing lines,
-# dsgd/tf_logging.py) unless this variable is "1". A PS actor sums numpy arrays and
-# never needs TensorFlow: without it a PS replacement takes ~1 s instead of ~7 s (chaos
-# benchmark, 2-core VM) and its process holds ~0.1 GB instead of ~0.75.
-NO_TENSORFLOW_VARIABLE = "DSGD_NO_TENSORFLOW"
-PS_RUNTIME_ENV = {"env_vars": {**ACTOR_RUNTIME_ENV["env_vars"], NO_TENSORFLOW_VARIABLE: "1"}}
-
 # dsgd.Dataset of a Python iterable: examples per object-store block (one download
 # task makes one block): batch_size, but at most this many.
 DATA_BLOCK_MAX_ROWS = 256

@@ -61,6 +61,24 @@ def test_ps_processes_do_not_load_tensorflow(sgd2x2):
     assert all("tensorflow" in maps(w) for w in sgd2x2.workers)
 
 
+def test_a_download_task_does_not_load_tensorflow():
+    """dsgd.Dataset's download tasks run dsgd's code (dsgd/data/stream.py), so their
+    processes import dsgd: they must not import TensorFlow with it (~5 s of CPU per
+    process, for a task that reads files). A fresh process (its own runtime_env)."""
+    from dsgd.data import stream
+
+    task = ray.remote(stream._download_block).options(
+        num_returns=2, runtime_env={"env_vars": {"DSGD_TEST_FRESH_PROCESS": "1"}})
+
+    def tensorflow_loaded(item):
+        import sys
+
+        return np.array(["tensorflow" in sys.modules, "dsgd" in sys.modules])
+
+    _, block = task.remote(tensorflow_loaded, [0], [0])
+    assert ray.get(block, timeout=120).tolist() == [[False, True]]
+
+
 def test_replicas_start_from_worker0_replica0(sgd2x2):
     # tiny.TinyModel seeds each replica differently; the broadcast must erase that.
     fresh = [tiny.make_keras_model(r).get_weights()[0] for r in range(4)]
