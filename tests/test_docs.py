@@ -146,10 +146,3 @@ def test_readme_first_example_prints_no_tensorflow_probing(tmp_path):
 @pytest.mark.parametrize("index", range(1, len(README_BLOCKS)))
 def test_readme_block_runs(index, tmp_path):
     run_script(README_BLOCKS[index], tmp_path, f"readme_{index}")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)],
-                         ids=lambda p: str(p.relative_to(ROOT)))
-def test_docs_page_blocks_run(page, tmp_path):
-    run_script("\n".join(python_blocks(page)), tmp_path, page.stem)
