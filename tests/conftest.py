@@ -56,38 +56,12 @@ def ray_local():
     yield
 
 
-# Seconds of test time per file (2-core VM, 2 test processes), default and `slow` runs:
-# the two processes take whole files in this order, longest first (pyproject's addopts:
-# --dist loadfile --no-loadscope-reorder), so that neither is left with one long file at
-# the end while the other idles (xdist's own order, by number of tests, put a 1-test,
-# 2-minute file last). Files not listed come after, in collection order. An ordering
-# hint only: stale figures cost balance, never a test.
-FILE_SECONDS = {
-    "default": {"test_recovery.py": 137, "test_exact.py": 72, "test_bad_inputs.py": 50,
-                "test_api.py": 48, "test_trainer.py": 42, "test_hung.py": 40,
-                "test_errors.py": 39, "test_trainer_schedules.py": 38, "test_compression.py": 31,
-                "test_data.py": 26, "test_docs.py": 25, "test_horovod.py": 23,
-                "test_timeline.py": 23, "test_per_group.py": 19, "test_lifetime.py": 19,
-                "test_backups.py": 17, "test_overlap.py": 17, "test_store.py": 14},
-    "slow": {"test_docs_pages.py": 430, "test_hung.py": 330, "test_backups.py": 370,
-             "test_examples.py": 320, "test_docs.py": 210, "test_horovod.py": 190,
-             "test_raytrain.py": 135, "test_chaos.py": 134, "test_store.py": 110,
-             "test_recovery.py": 107, "test_trainer_schedules.py": 105, "test_data_ray.py": 74,
-             "test_trainer_custom.py": 74, "test_trainer_failures.py": 65},
-}
-
-
 def pytest_collection_modifyitems(config, items):
     # Test modules define models too; Ray's workers cannot import them by name.
     for module in {item.module for item in items if getattr(item, "module", None)}:
         cloudpickle.register_pickle_by_value(module)
-
-    def order(item):
-        seconds = FILE_SECONDS["slow" if item.get_closest_marker("slow") else "default"]
-        # The multi-node module shuts the shared cluster down; run it after everything else.
-        return item.get_closest_marker("multinode") is not None, -seconds.get(item.path.name, 0)
-
-    items.sort(key=order)
+    # The multi-node module shuts the shared cluster down; run it after everything else.
+    items.sort(key=lambda item: item.get_closest_marker("multinode") is not None)
 
 
 # -- what the run cost: worker and PS actors started, per test file ---------------------------
