@@ -4,8 +4,8 @@
                                   [--input memory|files|ray-data] ...
 
 Data: 5,000 real MNIST digits that ship with dsgd's examples (no download:
-dsgd/examples/data/mnist_5k.npz); the last 100 of each class (1,000 images) are held out as the test
-set. The other 4,000 are the training set, fed by `--input`:
+dsgd/examples/data/mnist_5k.npz); the last 100 of each class (1,000 images) are
+held out as the test set. The other 4,000 are the training set, fed by `--input`:
   memory    (default) each replica's own shard, a tf.data pipeline in memory;
   files     written once as PNG files, read by a `dsgd.Dataset` of their paths
             (download_func decodes a file in parallel Ray tasks, the transform
