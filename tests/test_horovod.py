@@ -355,27 +355,34 @@ def test_horovod_names_not_provided_say_so():
         hvd.allreduse  # noqa: B018
 
 
+EXAMPLES = os.path.join(os.path.dirname(HERE), "dsgd", "examples", "horovod")
+
+
 @pytest.mark.slow
 def test_the_command_line_shows_rank_0_output_and_fails_on_a_failing_rank(tmp_path, ray_local,
                                                                           capfd):
-    """`python -m dsgd.train.run` from a shell: a new local Ray cluster, rank 0's
-    print on the terminal, exit status 0, none of TensorFlow's start-up probing
-    lines (a user's shell has no TF_CPP_MIN_LOG_LEVEL); a script whose rank 1
-    raises: 1 and the error on stderr (the launcher in-process on the shared
-    cluster: a second new cluster would only repeat the start-up)."""
-    ok = tmp_path / "ok.py"
-    ok.write_text("import sys\nimport dsgd.train as hvd\nhvd.init()\n"
-                  "print(f'hello from rank {hvd.rank()} of {hvd.size()} args={sys.argv[1:]}')\n")
+    """`python -m dsgd.train.run` from a shell, running the synthetic benchmark
+    example (dsgd/examples/horovod): a new local Ray cluster, the script's
+    arguments passed on, rank 0's lines on the terminal, exit status 0, none of
+    TensorFlow's start-up probing lines (a user's shell has no
+    TF_CPP_MIN_LOG_LEVEL); a script whose rank 1 raises: 1 and the error on stderr
+    (the launcher in-process on the shared cluster: a second new cluster would
+    only repeat the start-up)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("RAY_ADDRESS", None)
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     done = subprocess.run([sys.executable, "-m", "dsgd.train.run", "-np", "2", "--storage-path",
-                           str(tmp_path / "runs"), "python", str(ok), "--flag", "1"],
+                           str(tmp_path / "runs"), "python",
+                           os.path.join(EXAMPLES, "synthetic_benchmark.py"), "--model",
+                           "MobileNetV2", "--image-size", "32", "--batch-size", "2",
+                           "--num-iters", "2", "--num-batches-per-iter", "2", "--fp16-allreduce"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "hello from rank 0 of 2 args=['--flag', '1']" in done.stdout + done.stderr
+    shown = done.stdout + done.stderr
+    assert "Model: MobileNetV2, batch size: 2, image size: 32" in shown, shown[-3000:]
+    assert "Total img/sec on 2 worker(s)" in shown, shown[-3000:]
     noise = re.findall(r".*(?:Could not find cuda drivers|failed call to cuInit|oneDNN custom).*",
-                       done.stdout + done.stderr)
+                       shown)
     assert not noise, noise
     bad = tmp_path / "bad.py"
     bad.write_text("import dsgd.train as hvd\nhvd.init()\n"
@@ -386,14 +393,11 @@ def test_the_command_line_shows_rank_0_output_and_fails_on_a_failing_rank(tmp_pa
     assert status == 1 and "KeyError: 'rank one'" in capfd.readouterr().err
 
 
-EXAMPLES = os.path.join(os.path.dirname(HERE), "dsgd", "examples", "horovod")
-
-
 @pytest.mark.slow
 def test_the_horovod_examples_run_at_small_sizes(tmp_path, ray_local):
-    """The custom-loop and Keras MNIST scripts and the synthetic benchmark through the
-    launcher in-process (rank 0 writes the checkpoints). Rank 0's output on a shell's
-    terminal: test_the_command_line_shows_rank_0_output_and_fails_on_a_failing_rank."""
+    """The custom-loop and Keras MNIST scripts through the launcher in-process (rank 0
+    writes the checkpoints). The synthetic benchmark runs from a shell, rank 0's
+    output on its terminal: test_the_command_line_shows_rank_0_output_and_fails_on_a_failing_rank."""
     runs = str(tmp_path / "runs")
     status = launcher.main(["-np", "2", "--storage-path", runs, os.path.join(EXAMPLES, "tf2_mnist.py"),
                             "--steps", "20", "--checkpoint-dir", str(tmp_path / "loop")])
@@ -404,8 +408,3 @@ def test_the_horovod_examples_run_at_small_sizes(tmp_path, ray_local):
                             "--checkpoint-dir", str(tmp_path / "fit")])
     assert status == 0
     assert sorted(os.listdir(tmp_path / "fit")) == ["checkpoint-1.keras", "checkpoint-2.keras"]
-    status = launcher.main(["-np", "2", "--storage-path", runs,
-                            os.path.join(EXAMPLES, "synthetic_benchmark.py"), "--model", "MobileNetV2",
-                            "--image-size", "32", "--batch-size", "2", "--num-iters", "2",
-                            "--num-batches-per-iter", "2", "--fp16-allreduce"])
-    assert status == 0

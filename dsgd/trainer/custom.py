@@ -84,7 +84,7 @@ class CustomSteps:
             else:
                 replicas.apply(means)
             if tl.on:  # (train_step's own row: the Trainer's custom epochs, by epoch step)
-                to_wall = time.time() - time.perf_counter()
+                to_wall = tl.to_wall
                 step, end = self.steps + 1, time.perf_counter()
                 for name, a, b in (("compute", started, computed),
                                    ("exchange", computed, exchanged), ("apply", exchanged, end)):

@@ -86,7 +86,7 @@ class ApplySchedule:
                 applied = time.perf_counter()
                 apply_s += applied - arrived
                 if tl.on:
-                    to_wall = time.time() - applied
+                    to_wall = tl.to_wall
                     tl.add(f"apply group {', '.join(map(str, stage))}", "apply",
                            arrived + to_wall, applied + to_wall, step=step)
         except BaseException as e:
@@ -111,7 +111,7 @@ class ApplySchedule:
             waited = reading if b == stage[0] else time.perf_counter()
             means.update(zip(buckets.groups[b], sending.mean(b)))
             if tl.on:
-                to_wall = time.time() - time.perf_counter()
+                to_wall = tl.to_wall
                 tl.add(f"receive group {b}", "receive", waited + to_wall,
                        time.perf_counter() + to_wall, step=step)
         return means
@@ -128,7 +128,7 @@ class ApplySchedule:
         deferred.sending.release_means()
         tl = timeline.recorder()
         if tl.on and self.replicas.applied_at is not None:
-            to_wall = time.time() - time.perf_counter()
+            to_wall = tl.to_wall
             tl.add(f"apply group {', '.join(map(str, range(len(self._buckets.groups))))} "
                    "(in the next step's call)", "apply", started + to_wall,
                    self.replicas.applied_at + to_wall, step=deferred.step)
@@ -151,7 +151,7 @@ class ApplySchedule:
         self.applied_steps += 1
         tl = timeline.recorder()
         if tl.on:
-            to_wall = time.time() - time.perf_counter()
+            to_wall = tl.to_wall
             tl.add(f"apply group {', '.join(map(str, range(len(self._buckets.groups))))}",
                    "apply", started + to_wall, time.perf_counter() + to_wall, step=deferred.step)
 

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import time
-
 from dsgd.comm import timeline
 
 
@@ -30,8 +28,7 @@ class StepSpans:
         tl = timeline.recorder()
         if not tl.on:
             return
-        end = time.perf_counter()
-        to_wall = time.time() - end
+        to_wall = tl.to_wall
         step = seq & ((1 << 32) - 1)
         spans = [("sat out", start, sent)] if sat_out else \
             [("data", start, computed), ("compute", computed, sent)]
@@ -50,7 +47,7 @@ class StepSpans:
         noted the forward pass's end (Replicas.mark_forward)."""
         forward = self.replicas.forward_at
         if tl.on and forward is not None and computed <= forward <= end:
-            to_wall = time.time() - time.perf_counter()
+            to_wall = tl.to_wall
             tl.add("forward", row, computed + to_wall, forward + to_wall, step=step, **args)
             tl.add("backward", row, forward + to_wall, end + to_wall, step=step, **args)
 

@@ -152,7 +152,7 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
         self._freeze_gc_once()
         tl = timeline.recorder()
         if tl.on:  # (one compiled call: forward, backward, local mean and update)
-            to_wall = time.time() - time.perf_counter()
+            to_wall = tl.to_wall
             tl.add("data", "step", start + to_wall, start + data_s + to_wall,
                    step=self.applied_steps)
             tl.add("compute and apply", "step", start + data_s + to_wall, computed + to_wall,
@@ -225,9 +225,10 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
         pieces = self.replicas.shard_pieces(flat_grads)
         step = self.applied_steps + 1
         if tl.on:
-            to_wall = time.time() - time.perf_counter()
+            to_wall = tl.to_wall
             tl.add("data", "step", start + to_wall, start + data_s + to_wall, step=step)
-            tl.add("compute", "step", start + data_s + to_wall, time.time(), step=step)
+            tl.add("compute", "step", start + data_s + to_wall, time.perf_counter() + to_wall,
+                   step=step)
             self.forward_backward_spans(tl, start + data_s, time.perf_counter(), step)
         yield StepReport(losses=losses.numpy().tolist(), finite=finite.numpy().tolist(),
                          metrics={k: v.numpy().tolist() for k, v in metrics.items()},
@@ -258,8 +259,9 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
         self._freeze_gc_once()
         tl = timeline.recorder()
         if tl.on:
-            to_wall = time.time() - time.perf_counter()
-            tl.add("apply", "step", start + to_wall, time.time(), step=self.applied_steps)
+            to_wall = tl.to_wall
+            tl.add("apply", "step", start + to_wall, time.perf_counter() + to_wall,
+                   step=self.applied_steps)
         return {"apply_s": time.perf_counter() - start}
 
     def models(self) -> list[Model]:
