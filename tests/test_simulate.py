@@ -46,6 +46,55 @@ def test_link_time_is_the_busiest_nic_direction():
     assert r["step_s"] == pytest.approx(2 * w.grad_bytes / rate, rel=1e-6)
 
 
+def test_a_link_never_carries_more_than_its_rate():
+    """Nodes 1 -> 2, 0 -> 2 and 0 -> 3, 10 MB each at t = 0 on 100 MB/s links: node 0's
+    uplink and node 2's downlink each carry two transfers, so all three move at
+    50 MB/s and arrive at 0.2 s. The FIFO booking this model replaced freed node
+    0's uplink at 0.1 s while the 0 -> 2 transfer waited for node 2's downlink until
+    then, so its bytes and the 0 -> 3 transfer's left node 0 in [0.1, 0.2] together
+    (arrivals 0.1, 0.2, 0.2): 200 MB/s on a 100 MB/s link, which the check sees."""
+    rate, size = 100e6, 10e6
+    fifo_booking = [(1, 2, 0.0, 0.1, size), (0, 2, 0.1, 0.2, size), (0, 3, 0.1, 0.2, size)]
+    assert sim.link_overload(fifo_booking, rate) == pytest.approx(rate)
+
+    hw = sim.Hardware(link_bw=rate, link_efficiency=1.0, link_latency_s=0.0, gpu=False)
+    eng, log, arrived = sim.Engine(), [], {}
+    net = sim.Network(eng, 4, hw, FREE, sim.Cores(None), log)
+    for src, dst in ((1, 2), (0, 2), (0, 3)):
+        net.send(0.0, src, dst, size, lambda t, key=(src, dst): arrived.__setitem__(key, t))
+    eng.run()
+    assert arrived == pytest.approx({(1, 2): 0.2, (0, 2): 0.2, (0, 3): 0.2})
+    assert sim.link_overload(log, rate) <= 1e-6 * rate
+    assert sum(m[4] for m in log) == pytest.approx(3 * size)
+
+
+def test_a_transfer_speeds_up_when_its_link_frees():
+    """0 -> 1 (10 MB) and 0 -> 2 (5 MB) share node 0's uplink at 50 MB/s each until
+    the short one arrives at 0.1 s; the long one then has the link alone: 5 MB
+    left at 100 MB/s, arriving at 0.15 s (plus the link latency, once)."""
+    hw = sim.Hardware(link_bw=100e6, link_efficiency=1.0, link_latency_s=1e-3, gpu=False)
+    eng, arrived = sim.Engine(), {}
+    net = sim.Network(eng, 3, hw, FREE, sim.Cores(None))
+    for dst, size in ((1, 10e6), (2, 5e6)):
+        net.send(0.0, 0, dst, size, lambda t, dst=dst: arrived.__setitem__(dst, t))
+    eng.run()
+    assert arrived == pytest.approx({1: 0.151, 2: 0.101})
+
+
+@pytest.mark.parametrize("algorithm, options", [
+    ("dsgd", {"shard_bytes": 4 * MIB, "num_ps": 16}),
+    ("dsgd", {"shard_bytes": 4 * MIB, "num_ps": 16, "prefetch": True}),
+    ("dsgd", {"shard_bytes": 4 * MIB, "num_ps": 4, "overlap": False}),
+    ("byteps", {}),
+])
+def test_no_link_carries_more_than_its_rate_in_a_whole_simulation(algorithm, options):
+    log = []
+    hw = sim.Hardware(link_bw=1e9, gpu=True)
+    w = profiles.sleepy_workload(8, 0.005, 0.01)
+    sim.simulate(algorithm, w, hw, COSTS, 16, link_log=log, **options)
+    assert len(log) > 16 and sim.link_overload(log, hw.rate) <= 1e-9 * sum(m[4] for m in log)
+
+
 def test_slower_links_more_workers_and_costlier_calls_never_speed_dsgd_up():
     w = profiles.sleepy_workload(8, 0.005, 0.01)
     hw = sim.Hardware(link_bw=1e9, gpu=False)

@@ -10,9 +10,10 @@ What is simulated (read from the code, `dsgd/worker/worker.py` and
 
 - **Nodes and links.** One worker per node (with D devices), PS j on node
   j mod N (`param_server.ps_nodes`). Every node has a NIC with one link per
-  direction (B bytes/s each, latency l). A transfer of S bytes from node a to b
-  goes through a's uplink and b's downlink, each a FIFO server (cut-through: it
-  ends at max(up end, down start + S/B)); on one node it costs nothing.
+  direction (B bytes/s each, latency l). A transfer from node a to b moves at
+  min(B / transfers on a's uplink, B / transfers on b's downlink), re-evaluated as
+  transfers start and end (`Network`: fair sharing, no link ever above its rate);
+  on one node it costs nothing. TCP incast at large fan-in is not modelled.
 - **CPU.** Each actor's Python work (a worker's sending thread, a PS's calls
   and sums) is serial (the GIL); where `Hardware.host_cores` is set, every
   node's CPU work also takes one of that many cores shared by all nodes (the
@@ -184,29 +185,119 @@ def cpu(cores: Cores, thread: Serial, t: float, seconds: float) -> float:
 
 
 class Network:
-    """Each node's NIC: an uplink and a downlink, FIFO, cut-through."""
+    """Each NIC direction's rate shared equally among the transfers using it: a
+    transfer from a to b moves at min(B / flows on a's uplink, B / flows on b's
+    downlink), re-evaluated whenever a transfer starts or ends on either link. A
+    link thus never carries more than B (each of its k transfers gets at most B/k),
+    and a transfer slowed by its other link leaves its share unused (not
+    redistributed: pessimistic where links are unevenly loaded, as TCP is not
+    either). Transfers are asynchronous: `send` calls `then(t)` with the arrival
+    time (end + link latency) from the engine's queue.
 
-    def __init__(self, nodes: int, hw: Hardware, costs: Costs, cores: Cores):
-        self.up = [0.0] * nodes
-        self.down = [0.0] * nodes
+    `log` (a list, when given) receives (src, dst, start, end, bytes) per segment of
+    constant rate of every transfer, so `link_overload` can check the rule above."""
+
+    def __init__(self, eng: Engine, nodes: int, hw: Hardware, costs: Costs, cores: Cores,
+                 log: list | None = None):
+        self.eng = eng
         self.rate, self.latency = hw.rate, hw.link_latency_s
         self.cores, self.xfer_cpu_bw = cores, costs.xfer_cpu_bw
         self.bytes = 0
+        self.log = log
+        self.on_up = [set() for _ in range(nodes)]    # flow ids using each uplink
+        self.on_down = [set() for _ in range(nodes)]
+        self.flows: dict = {}   # id -> [src, dst, left bytes, rate, since, version, then]
+        self.next_id = 0
+        self.dirty_up: set = set()
+        self.dirty_down: set = set()
+        self.settling = False
 
-    def send(self, t: float, src: int, dst: int, nbytes: float) -> float:
+    def send(self, t: float, src: int, dst: int, nbytes: float, then: Callable) -> None:
         if src == dst:
-            return t
+            self.eng.at(t, then, t)
+            return
         self.bytes += nbytes
-        seconds = nbytes / self.rate
-        s_up = max(t, self.up[src])
-        e_up = s_up + seconds
-        self.up[src] = e_up
-        s_down = max(s_up, self.down[dst])
-        e_down = max(s_down + seconds, e_up)
-        self.down[dst] = e_down
-        if self.xfer_cpu_bw:  # (charged when asked for: a core cannot be held ahead)
+        if self.xfer_cpu_bw:
             self.cores.hold(t, nbytes / self.xfer_cpu_bw)
-        return e_down + self.latency
+        self.eng.at(t, self._start, src, dst, nbytes, then)
+
+    def _start(self, src: int, dst: int, nbytes: float, then: Callable) -> None:
+        fid, self.next_id = self.next_id, self.next_id + 1
+        self.flows[fid] = [src, dst, nbytes, 0.0, self.eng.now, 0, then]
+        self.on_up[src].add(fid)
+        self.on_down[dst].add(fid)
+        self._touched(src, dst)
+
+    def _end(self, fid: int, version: int) -> None:
+        f = self.flows.get(fid)
+        if f is None or f[5] != version:
+            return  # a finish time since moved
+        self._progress(f)
+        del self.flows[fid]
+        self.on_up[f[0]].discard(fid)
+        self.on_down[f[1]].discard(fid)
+        self._touched(f[0], f[1])
+        self.eng.at(self.eng.now + self.latency, f[6], self.eng.now + self.latency)
+
+    def _touched(self, src: int, dst: int) -> None:
+        """The flows of these links change rate: once, after every event of this instant
+        (transfers of symmetric workers start and end together: one re-rate, not N)."""
+        self.dirty_up.add(src)
+        self.dirty_down.add(dst)
+        if not self.settling:
+            self.settling = True
+            self.eng.at(self.eng.now, self._settle)
+
+    def _settle(self) -> None:
+        self.settling = False
+        fids = set()
+        for node in self.dirty_up:
+            fids |= self.on_up[node]
+        for node in self.dirty_down:
+            fids |= self.on_down[node]
+        self.dirty_up.clear()
+        self.dirty_down.clear()
+        on_up, on_down, flows, now = self.on_up, self.on_down, self.flows, self.eng.now
+        for fid in fids:
+            f = flows[fid]
+            rate = self.rate / max(len(on_up[f[0]]), len(on_down[f[1]]))
+            if rate == f[3]:
+                continue  # its end event stands (progress is linear between changes)
+            self._progress(f)
+            f[3] = rate
+            f[5] += 1
+            self.eng.at(now + f[2] / rate, self._end, fid, f[5])
+
+    def _progress(self, f: list) -> None:
+        now = self.eng.now
+        if now > f[4]:
+            moved = min(f[2], f[3] * (now - f[4]))
+            if self.log is not None and moved > 0:
+                self.log.append((f[0], f[1], f[4], now, moved))
+            f[2] -= moved
+        f[4] = now
+
+
+def link_overload(log: list, rate: float) -> float:
+    """The most any NIC direction carried beyond `rate` (bytes/s) at any moment, in
+    bytes/s, over the segments of `log` (Network.log: a segment
+    moves its bytes evenly over [start, end] on its source's uplink and its
+    destination's downlink): 0.0 when no link ever carried more than its rate."""
+    links: dict = {}
+    for src, dst, start, end, nbytes in log:
+        if end <= start:
+            continue
+        for link in (("up", src), ("down", dst)):
+            links.setdefault(link, []).extend(((start, nbytes / (end - start)),
+                                               (end, -nbytes / (end - start))))
+    worst = 0.0
+    for changes in links.values():
+        changes.sort(key=lambda c: (c[0], c[1]))  # at one instant, ends before starts
+        load = 0.0
+        for _, delta in changes:
+            load += delta
+            worst = max(worst, load - rate)
+    return worst
 
 
 # ---------------------------------------------------------------------------
@@ -255,7 +346,8 @@ def dsgd_layout(w: Workload, workers: int, shard_bytes: int, num_ps: int | None,
 def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
                   shard_bytes: int = 10_000_000, num_ps: int | None = None,
                   compression: str | None = None, overlap: bool = True,
-                  prefetch: bool = False, steps: int = 3, tail_pieces: int = 0) -> dict:
+                  prefetch: bool = False, steps: int = 3, tail_pieces: int = 0,
+                  link_log: list | None = None) -> dict:
     n = workers
     groups, asked = dsgd_layout(w, n, shard_bytes, num_ps, compression, overlap,
                                 tail_pieces, hw.link_bw)
@@ -263,7 +355,7 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         return _single(w, hw, k, steps, groups)
     eng = Engine()
     cores = Cores(hw.host_cores)
-    net = Network(n, hw, k, cores)
+    net = Network(eng, n, hw, k, cores, link_log)
     ps_node = [j % n for j in range(asked)]
     sender = [Serial() for _ in range(n)]     # the worker's sending thread (GIL)
     main = [Serial() for _ in range(n)]       # the worker's step thread
@@ -323,10 +415,10 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
     def arrive(s: int, u: int, b: int) -> None:
         wire, ps, _, _ = groups[b]
         node = ps_node[ps]
-        t = eng.now
-        if node != u:  # Ray resolves the argument (pulls the part) before the call runs
-            t = net.send(t, u, node, wire) + k.pull_s
-        eng.at(t, handled, s, b)
+        if node == u:
+            handled(s, b)
+        else:  # Ray resolves the argument (pulls the part) before the call runs
+            net.send(eng.now, u, node, wire, lambda t: eng.at(t + k.pull_s, handled, s, b))
 
     def handled(s: int, b: int) -> None:
         wire, ps, _, _ = groups[b]
@@ -352,21 +444,46 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
                 st["waiters"].discard((u, b))
                 eng.at(st["replies"][u][b], advance, s, u)
 
-    def pull_mean(u: int, b: int, t: float) -> float:
+    def pull(s: int, u: int, b: int) -> None:
+        """Worker u starts pulling bucket b's mean now (once): it is in u's store
+        (`pulled_by`) at the time `pulled` records; inf until then."""
+        have = pulled_by(state[s], u)
+        if b in have:
+            return
+        have[b] = math.inf
         wire, ps, _, _ = groups[b]
         node = ps_node[ps]
         if node == u:
-            return t
-        return net.send(t, node, u, wire) + k.pull_s
+            pulled(s, u, b)
+        else:
+            net.send(eng.now, node, u, wire, lambda t: eng.at(t + k.pull_s, pulled, s, u, b))
+
+    def pulled(s: int, u: int, b: int) -> None:
+        st = state[s]
+        pulled_by(st, u)[b] = eng.now
+        waiting = st.setdefault("pull_waiters", {}).get(u, [])
+        st["pull_waiters"][u] = []
+        for need, then in waiting:
+            when_pulled(s, u, need, then)
+
+    def when_pulled(s: int, u: int, need, then: Callable) -> None:
+        """then() once every bucket of `need` is in worker u's store (now if they are)."""
+        have = pulled_by(state[s], u)
+        if all(have.get(b, math.inf) <= eng.now for b in need):
+            eng.at(eng.now, then)
+        else:
+            state[s].setdefault("pull_waiters", {}).setdefault(u, []).append((tuple(need), then))
 
     def prefetch_one(s: int, u: int, b: int) -> None:
-        st = state[s]
-        st.setdefault("pulled", {}).setdefault(u, {})[b] = pull_mean(u, b, eng.now)
+        pull(s, u, b)
 
     def read_all(s: int, u: int) -> None:  # after the backward pass: every mean at once
-        t = max(eng.now, main[u].free)
-        got = max(pull_mean(u, b, t) for b in range(nb))
-        eng.at(got, apply_stage, s, u, tuple(range(nb)), None)
+        if main[u].free > eng.now:
+            eng.at(main[u].free, read_all, s, u)
+            return
+        for b in range(nb):
+            pull(s, u, b)
+        when_pulled(s, u, range(nb), lambda: apply_stage(s, u, tuple(range(nb)), None))
 
     def mark(s: int, u: int, what: str, t: float) -> None:
         if u == 0:
@@ -392,33 +509,38 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
             for u in range(n):
                 eng.at(st["meta_t"] + hop(ps_node[0], u), decided, s, u)
 
-    def pulled_by(st, u: int, t: float) -> dict:
-        """Means of worker u in its store by `t` (read ahead), bucket -> time."""
+    def pulled_by(st, u: int) -> dict:
+        """Worker u's means pulled or being pulled: bucket -> when in its store (inf: not yet)."""
         return st.setdefault("pulled", {}).setdefault(u, {})
 
     def collect(s: int, u: int, when: str) -> None:
         st = state[s]
-        have = pulled_by(st, u, eng.now)
-        t = eng.now
-        new = [b for b in range(nb) if b not in have and st["replies"][u][b] <= t]
+        have = pulled_by(st, u)
+        new = [b for b in range(nb) if b not in have and st["replies"][u][b] <= eng.now]
         for b in new:
-            have[b] = pull_mean(u, b, t)
-        done = max([t] + [have[b] for b in new])
+            pull(s, u, b)
         if when == "metas":
-            st.setdefault("collected", {})[u] = done
+            when_pulled(s, u, new, lambda: collected(s, u))
         else:  # the decision: collect again, then split
-            eng.at(done, split, s, u)
+            when_pulled(s, u, new, lambda: split(s, u))
+
+    def collected(s: int, u: int) -> None:
+        st = state[s]
+        st.setdefault("collected", set()).add(u)
+        if u in st.get("decided", ()):
+            collect(s, u, "decision")
 
     def decided(s: int, u: int) -> None:
         st = state[s]
         mark(s, u, "decided", eng.now)
-        t = max(eng.now, st.get("collected", {}).get(u, 0.0))
-        eng.at(t, collect, s, u, "decision")
+        st.setdefault("decided", set()).add(u)
+        if u in st.get("collected", ()):  # else collected() goes on
+            collect(s, u, "decision")
 
     def split(s: int, u: int) -> None:
         st = state[s]
         mark(s, u, "first_apply_begins", eng.now)
-        have = pulled_by(st, u, eng.now)
+        have = pulled_by(st, u)
         ready = 0
         while ready < nb and ready in have and have[ready] <= eng.now:
             ready += 1
@@ -443,7 +565,7 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         pulled at once when all its answers are in (StepExchange.read), then the
         stage's update; each step waits for what it needs."""
         st = state[s]
-        p, have, now = st["plan"][u], pulled_by(st, u, eng.now), eng.now
+        p, have, now = st["plan"][u], pulled_by(st, u), eng.now
         if now < p["next"]:
             return  # (a wake-up for a wait already over)
         while p["si"] < len(p["stages"]):
@@ -461,11 +583,11 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
                     later(s, u, last)
                     return
                 for b in missing:
-                    have[b] = pull_mean(u, b, now)
+                    pull(s, u, b)
                 p["read"] = True
-            got = max([have[b] for b in stage], default=now)
-            if got > now:
-                later(s, u, got)
+            if any(have[b] > now for b in stage):
+                p["next"] = now
+                when_pulled(s, u, stage, lambda: advance(s, u))
                 return
             p["si"], p["read"] = p["si"] + 1, False
             later(s, u, apply_time(u, stage, now))
@@ -591,7 +713,7 @@ class BytePSParams:
 
 def simulate_byteps(w: Workload, hw: Hardware, workers: int, *,
                     compression: str | None = None, params: BytePSParams = BytePSParams(),
-                    steps: int = 3) -> dict:
+                    steps: int = 3, link_log: list | None = None) -> dict:
     n, d = workers, hw.devices
     wire_factor = 0.5 if compression else 1.0
     if n == 1:
@@ -606,7 +728,7 @@ def simulate_byteps(w: Workload, hw: Hardware, workers: int, *,
             parts.append((p, w.ready_s[v]))
             size -= p
     eng = Engine()
-    net = Network(n, hw, Costs(0, 1, 0, 0, 0, 1, 1), Cores(None))
+    net = Network(eng, n, hw, Costs(0, 1, 0, 0, 0, 1, 1), Cores(None), link_log)
     local = (lambda b: (d - 1) / d * b / hw.nvlink_bw) if d > 1 else (lambda b: 0.0)
     server_cpu = [Serial() for _ in range(n)]
     worker_cpu = [Serial() for _ in range(n)]
@@ -622,7 +744,7 @@ def simulate_byteps(w: Workload, hw: Hardware, workers: int, *,
         t = d2h[u].take(t, size / hw.pcie_bw)
         t = worker_cpu[u].take(t, params.msg_s)
         server = i % n
-        eng.at(net.send(t, u, server, size), summed, u, i)
+        net.send(t, u, server, size, lambda _: summed(u, i))
 
     def summed(u: int, i: int) -> None:
         size, _ = parts[i]
@@ -633,7 +755,7 @@ def simulate_byteps(w: Workload, hw: Hardware, workers: int, *,
         if arrived[i] == n:
             for v in range(n):
                 t2 = server_cpu[server].take(done_at[i], params.msg_s)
-                eng.at(net.send(t2, server, v, size), pulled, v, i)
+                net.send(t2, server, v, size, lambda _, v=v: pulled(v, i))
 
     def pulled(u: int, i: int) -> None:
         size, _ = parts[i]
