@@ -15,8 +15,10 @@ better. BytePS gets partitions of min(4 MB, G/N) (its 4 MB default, smaller wher
 N servers need more partitions than that makes); ring allreduce Horovod's
 defaults. Efficiency = one device's compute time / the step time (weak
 scaling: the same batch per device), so 8 GPUs per worker pay their NVLink
-mean too. Then the ablation (each Ray/PS cost removed, at 64 and 256 workers) and a
-what-if not built (the tail's buckets cut over more PS: `what_if_tail`). Also writes
+mean too. Then the ablation (each Ray/PS cost removed, at 64 and 256 workers), a
+what-if not built (the tail's buckets cut over more PS: `what_if_tail`) and the
+sensitivity to what the model assumes (the pull's serving work, PS wake-ups, TCP
+incast: `sensitivity`). Also writes
 the chart (results/simulate_predictions.png) and the
 place of Ray's 2018 DistributedSGD benchmark (ResNet-101, 16 V100 on two nodes,
 25 Gb/s: anchors.md).
@@ -136,6 +138,57 @@ def ablation(costs: sim.Costs) -> list[dict]:
     return rows
 
 
+SENSITIVITY = ("dsgd", "dsgd, 1 PS/node", "byteps")
+
+
+def sensitivity(costs: sim.Costs) -> list[dict]:
+    """What the model assumes and one machine cannot measure: ResNet-50, V100, 25
+    Gb/s, one GPU per worker, at 64 and 256 workers, each assumption varied on its
+    own: the pull's cost as work on the serving node (Costs.pull_serve_s: half or
+    all of l_pull; calibrated with both ends on one machine, its split is not
+    known), a PS thread's wake-up per call (Costs.wake_s), and TCP incast at the
+    fan-in of a PS's downlink (Hardware.incast_fan_in: past 64 or 16 senders the
+    link delivers fan-in/senders of its rate). Ring allreduce (one flow per link,
+    no object store) is the same in every row."""
+    w, _ = profiles.gpu_workload("resnet50", "V100")
+    hw = sim.Hardware(link_bw=25 * GBIT)
+    variants = [
+        ("as modelled (l_pull all latency, no wake-up, no incast)", {}, {}),
+        ("half of l_pull is serving work", {"pull_serve_s": costs.pull_s / 2}, {}),
+        ("all of l_pull is serving work", {"pull_serve_s": costs.pull_s}, {}),
+        ("PS wake-up 50 µs per call", {"wake_s": 50e-6}, {}),
+        ("TCP incast past 64 senders", {}, {"incast_fan_in": 64}),
+        ("TCP incast past 16 senders", {}, {"incast_fan_in": 16}),
+    ]
+    rows = []
+    for n in (64, 256):
+        per_node = max(64, -(-w.grad_bytes // n))
+        ring = sim.simulate("ring", w, hw, None, n)["step_s"]
+        for name, c, h in variants:
+            k, hw2 = dataclasses.replace(costs, **c), dataclasses.replace(hw, **h)
+            row = {"workers": n, "variant": name, "ring_efficiency": w.compute_s / ring}
+            for algorithm, r in (
+                    ("dsgd", sim.simulate("dsgd", w, hw2, k, n)),
+                    ("dsgd, 1 PS/node", sim.simulate("dsgd", w, hw2, k, n, shard_bytes=per_node,
+                                                     num_ps=n)),
+                    ("byteps", sim.simulate("byteps", w, hw2, None, n, params=sim.BytePSParams(
+                        partition_bytes=min(4_096_000, per_node))))):
+                row[algorithm] = w.compute_s / r["step_s"]
+            rows.append(row)
+            print(f"sensitivity N={n}: {name}: " + ", ".join(
+                f"{a} {100 * row[a]:.0f} %" for a in SENSITIVITY), flush=True)
+    return rows
+
+
+def sensitivity_markdown(rows: list[dict]) -> str:
+    head = ("| assumption (ResNet-50, V100, 25 Gb/s) | workers | dsgd default | dsgd, 1 PS/node "
+            "| BytePS | ring |\n|---|---:|---:|---:|---:|---:|\n")
+    return head + "\n".join(
+        f"| {r['variant']} | {r['workers']} | " + " | ".join(
+            f"{100 * r[a]:.0f} %" for a in SENSITIVITY) + f" | {100 * r['ring_efficiency']:.0f} % |"
+        for r in rows)
+
+
 TAIL_PIECES = (1, 4, 16, 64)
 
 
@@ -247,10 +300,12 @@ def main(argv=None) -> dict:
     seed = seed_benchmark(costs)
     ablated = ablation(costs)
     tail = what_if_tail(costs)
+    assumed = sensitivity(costs)
     table = markdown(rows)
     print(table)
     print(ablation_markdown(ablated))
     print(what_if_markdown(tail))
+    print(sensitivity_markdown(assumed))
     print(json.dumps(seed, indent=1))
     result = {"benchmark": "simulate_predictions", "calibration": os.path.relpath(
         args.calibration, os.path.dirname(RESULTS)), "costs": dataclasses.asdict(costs),
@@ -260,6 +315,7 @@ def main(argv=None) -> dict:
         "rows": rows, "seed_benchmark": seed, "table_markdown": table,
         "ablation": ablated, "ablation_markdown": ablation_markdown(ablated),
         "what_if_tail_split": tail, "what_if_tail_split_markdown": what_if_markdown(tail),
+        "sensitivity": assumed, "sensitivity_markdown": sensitivity_markdown(assumed),
         "wall_s": time.perf_counter() - started}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

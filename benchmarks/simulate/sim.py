@@ -10,9 +10,8 @@ What is simulated (read from the code, `dsgd/worker/worker.py` and
 
 - **Nodes and links.** One worker per node (with D devices), PS j on node
   j mod N (`param_server.ps_nodes`). Every node has a NIC with one link per
-  direction (B bytes/s each, latency l). A transfer from node a to b moves at
-  min(B / transfers on a's uplink, B / transfers on b's downlink), re-evaluated as
-  transfers start and end (`Network`: fair sharing, no link ever above its rate);
+  direction (B bytes/s each, latency l). Transfers share the links max-min fairly,
+  re-evaluated as transfers start and end (`Network`: no link ever above its rate);
   on one node it costs nothing. TCP incast at large fan-in is not modelled.
 - **CPU.** Each actor's Python work (a worker's sending thread, a PS's calls
   and sums) is serial (the GIL); where `Hardware.host_cores` is set, every
@@ -53,8 +52,9 @@ What is simulated (read from the code, `dsgd/worker/worker.py` and
   optimizer runs when every partition is back. Per message `msg_s` of CPU.
 
 Steps are synchronous: a worker's next step starts when its apply ends. The
-simulator runs `steps` steps and reports the median of the last step's time
-over workers, with each phase's end for worker 0.
+simulator runs `steps` steps and reports the job's period (the last worker's
+ends, per step, after a warm-up step: `_result`; not a median over workers,
+which flatters staggered workers), with each phase's end for worker 0.
 """
 
 from __future__ import annotations
@@ -85,6 +85,11 @@ class Hardware:
     hbm_bw: float = 900e9          # GPU memory (the optimizer's passes)
     nvlink_bw: float = 100e9       # in-node allreduce bus bandwidth (D > 1)
     host_cores: int | None = None  # one CPU pool shared by every node (emulated cluster)
+    # TCP incast (not modelled unless set): a downlink with more than this many
+    # transfers into it delivers `incast_fan_in / transfers` of its rate (switch
+    # buffer overflow, retransmission timeouts): a stated assumption for
+    # sensitivity rows, None for the model's default (no collapse).
+    incast_fan_in: int | None = None
     # The network re-rates its transfers at most once per `net_quantum_s` (Network):
     # a transfer starts at the next multiple of it, so each hop may end up to this
     # much later than with exact re-rating (0: exact; tests/test_simulate.py checks
@@ -113,6 +118,11 @@ class Costs:
     loop_s: float = 0.0       # per step, a worker's own fixed cost outside compute/apply
     split_min_pending: float = 0.25  # dsgd's APPLY_SPLIT_MIN_PENDING
     xfer_cpu_bw: float = 0.0  # CPU a transfer costs (emulated cluster, shared cores; 0: none)
+    # Of `pull_s`, the part that is work on the node serving the object (its object
+    # manager, one request at a time: N pulls of one PS's mean queue there); the rest
+    # is latency at the requester. 0: all latency (as calibrated on one machine).
+    pull_serve_s: float = 0.0
+    wake_s: float = 0.0       # a PS thread's wake-up per call, on its GIL (beyond call_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,25 +202,25 @@ def cpu(cores: Cores, thread: Serial, t: float, seconds: float) -> float:
 
 
 class Network:
-    """Each NIC direction's rate shared equally among the transfers using it: a
-    transfer from a to b moves at min(B / flows on a's uplink, B / flows on b's
-    downlink), re-evaluated whenever a transfer starts or ends on either link. A
-    link thus never carries more than B (each of its k transfers gets at most B/k),
-    and a transfer slowed by its other link leaves its share unused (not
-    redistributed: pessimistic where links are unevenly loaded, as TCP is not
-    either). Transfers are asynchronous: `send` calls `then(t)` with the arrival
-    time (end + link latency) from the engine's queue.
+    """Max-min fair sharing of every NIC direction among the transfers using it
+    (what TCP flows converge to, loss aside): rates rise together until a link is
+    full; the transfers through it keep that rate, and the rest rise on over what
+    the links have left (progressive filling). Re-evaluated whenever a transfer
+    starts or ends. A link thus never carries more than its rate, and a transfer
+    held back elsewhere leaves its share to the others on its link. Transfers are
+    asynchronous: `send` calls `then(t)` with the arrival time (end + link
+    latency) from the engine's queue.
 
-    The flows are numpy arrays and the engine holds one event for the network (the
-    next transfer to end): a change of the transfers re-rates every flow at once,
-    after every event of that instant (transfers of symmetric workers start and end
-    together: one re-rate, not N). Re-rates happen on a grid of
+    The transfers are numpy arrays and the engine holds one event for the network
+    (the next transfer to end): a change of the transfers re-rates them all at
+    once, after every event of that instant (transfers of symmetric workers start
+    and end together: one re-rate, not N). Re-rates happen on a grid of
     `Hardware.net_quantum_s` (a transfer starts at the next point of it; one that
     ends between two points arrives at its own end + latency, but its link share
     stays unused until the next point: pessimistic by at most one quantum per hop),
     so the work per step is bounded by the step's time over the quantum, not by
     transfers x re-rates: BytePS's 131,000 transfers of a step at 256 workers in
-    seconds.
+    about a minute.
 
     `log` (a list, when given) receives (src, dst, start, end, bytes) per segment of
     constant rate of every transfer, so `link_overload` can check the rule above."""
@@ -220,6 +230,7 @@ class Network:
         self.eng = eng
         self.link_rate, self.latency = hw.rate, hw.link_latency_s
         self.quantum = hw.net_quantum_s
+        self.incast = hw.incast_fan_in
         self.cores, self.xfer_cpu_bw = cores, costs.xfer_cpu_bw
         self.bytes = 0
         self.log = log
@@ -311,12 +322,43 @@ class Network:
         idx = self._active()
         if not idx.size:
             return
-        src, dst = self.src[idx], self.dst[idx]
-        rate = self.link_rate / np.maximum(self.n_up[src], self.n_down[dst])
+        rate = self._max_min(self.src[idx], self.dst[idx])
         self.rate[idx] = rate
         finish = self.eng.now + self.left[idx] / rate
         self.finish[idx] = finish
         self.eng.at(self._grid(float(np.min(finish))), self._end, self.version)
+
+    def _max_min(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """Max-min fair rates of transfers src[i] -> dst[i] (progressive filling):
+        each round, the links whose remaining rate split over their unfixed
+        transfers is the least fix those transfers at that share. Rounds: one per
+        distinct bottleneck level (a few in symmetric steps)."""
+        nodes = len(self.n_up)
+        cap_up = np.full(nodes, self.link_rate)
+        cap_down = np.full(nodes, self.link_rate)
+        if self.incast:  # a downlink past the fan-in delivers fan-in/transfers of its rate
+            cap_down *= np.minimum(1.0, self.incast / np.maximum(self.n_down, 1))
+        rate = np.zeros(len(src))
+        unfixed = np.ones(len(src), bool)
+        while unfixed.any():
+            at = np.flatnonzero(unfixed)
+            s, d = src[at], dst[at]
+            n_up = np.bincount(s, minlength=nodes)
+            n_down = np.bincount(d, minlength=nodes)
+            share_up = np.full(nodes, np.inf)
+            share_down = np.full(nodes, np.inf)
+            np.divide(cap_up, n_up, out=share_up, where=n_up > 0)
+            np.divide(cap_down, n_down, out=share_down, where=n_down > 0)
+            level = min(float(share_up.min()), float(share_down.min()))
+            tight = level * (1 + 1e-9)
+            fixed = at[(share_up[s] <= tight) | (share_down[d] <= tight)]
+            rate[fixed] = level
+            unfixed[fixed] = False
+            cap_up -= np.bincount(src[fixed], minlength=nodes) * level
+            cap_down -= np.bincount(dst[fixed], minlength=nodes) * level
+            np.maximum(cap_up, 0.0, out=cap_up)
+            np.maximum(cap_down, 0.0, out=cap_down)
+        return rate
 
     def _end(self, version: int) -> None:
         if version != self.version:
@@ -406,7 +448,7 @@ def dsgd_layout(w: Workload, workers: int, shard_bytes: int, num_ps: int | None,
 def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
                   shard_bytes: int = 10_000_000, num_ps: int | None = None,
                   compression: str | None = None, overlap: bool = True,
-                  prefetch: bool = False, steps: int = 3, tail_pieces: int = 0,
+                  prefetch: bool = False, steps: int = 5, tail_pieces: int = 0,
                   link_log: list | None = None) -> dict:
     n = workers
     groups, asked = dsgd_layout(w, n, shard_bytes, num_ps, compression, overlap,
@@ -422,6 +464,7 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
     d2h = [Serial() for _ in range(n)]
     h2d = [Serial() for _ in range(n)]
     ps_gil = [Serial() for _ in range(asked)]
+    object_manager = [Serial() for _ in range(n)]   # per node: serves pulls
     total_wire = sum(g[0] for g in groups)
     nb = len(groups)
     state: dict = {}
@@ -478,13 +521,13 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         if node == u:
             handled(s, b)
         else:  # Ray resolves the argument (pulls the part) before the call runs
-            net.send(eng.now, u, node, wire, lambda t: eng.at(t + k.pull_s, handled, s, b))
+            serve(u, node, wire, lambda t: eng.at(t, handled, s, b))
 
     def handled(s: int, b: int) -> None:
         wire, ps, _, _ = groups[b]
         node = ps_node[ps]
         st = state[s]
-        t = cpu(cores, ps_gil[ps], eng.now, k.call_s)
+        t = cpu(cores, ps_gil[ps], eng.now, k.call_s + k.wake_s)
         st["arrived"][b] += 1
         if st["arrived"][b] < n:
             return
@@ -516,7 +559,16 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         if node == u:
             pulled(s, u, b)
         else:
-            net.send(eng.now, node, u, wire, lambda t: eng.at(t + k.pull_s, pulled, s, u, b))
+            serve(node, u, wire, lambda t: eng.at(t, pulled, s, u, b))
+
+    def serve(src: int, dst: int, wire: float, then: Callable) -> None:
+        """Node `dst` pulls an object of `wire` bytes from node `src`: `pull_serve_s`
+        of work on src's object manager (one request at a time), the transfer, then
+        the rest of `pull_s` at the requester; then(t)."""
+        t = cpu(cores, object_manager[src], eng.now, k.pull_serve_s) \
+            if k.pull_serve_s else eng.now
+        rest = max(0.0, k.pull_s - k.pull_serve_s)
+        net.send(t, src, dst, wire, lambda t: then(t + rest))
 
     def pulled(s: int, u: int, b: int) -> None:
         st = state[s]
@@ -697,9 +749,17 @@ def _single(w: Workload, hw: Hardware, k: Costs, steps: int, groups) -> dict:
 
 
 def _result(ends: dict, state: dict, steps: int, n: int, **extra) -> dict:
+    """`step_s`: the synchronous job's period, the time between the last worker's
+    ends of step 1 and of the last step, per step (every worker waits for the
+    slowest each step, so its ends set the pace; step 0 is the warm-up). A median
+    over workers would flatter a step whose workers finish staggered: the early
+    ones start their next step early and then wait."""
     last = steps - 1
     per_worker = [ends[last][u] - (ends[last - 1][u] if last else 0.0) for u in range(n)]
-    return {"step_s": statistics.median(per_worker), "slowest_step_s": max(per_worker),
+    first = 1 if last >= 2 else 0
+    begun = max(ends[first - 1].values()) if first else 0.0
+    period = (max(ends[last].values()) - begun) / (last - first + 1)
+    return {"step_s": period, "slowest_step_s": max(per_worker),
             "steps": [statistics.median(ends[s][u] - (ends[s - 1][u] if s else 0.0)
                                         for u in range(n)) for s in range(steps)], **extra}
 
