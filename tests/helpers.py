@@ -174,6 +174,17 @@ def usage(timeout_s: float = 30.0) -> dict:
     return ray_private.object_store_stats(timeout_s)
 
 
+def holders() -> str:
+    """What `ray memory` prints (a private Ray API, like `usage`): each object in the
+    stores, with the process that holds it and how; a leak check's failure
+    message. Blocks for one RPC per node."""
+    import ray
+    from ray._private import internal_api
+
+    return internal_api.memory_summary(ray.get_runtime_context().gcs_address, line_wrap=False,
+                                       num_entries=40)
+
+
 def drained_usage(timeout_s: float = 60.0, interval_s: float = 0.1,
                   baseline: dict | None = None) -> dict:
     """`usage()` once the store has drained down to `baseline`'s object count

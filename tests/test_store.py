@@ -75,9 +75,9 @@ def train_many_steps(sgd, baseline, kill_at=(), steps=STEPS, kept_per_worker_dea
     # may be freed while this one runs (in the slow run, 25 such objects were).
     kept = [n * (1 if kill_at else 0) for n in kept_per_worker_death]  # one worker killed
     assert after_all["num_objects"] - after_10["num_objects"] <= kept[0], \
-        (baseline, after_10, after_all)
+        (baseline, after_10, after_all, store_usage.holders())
     assert after_all["bytes_used"] - after_10["bytes_used"] <= kept[1], \
-        (baseline, after_10, after_all)
+        (baseline, after_10, after_all, store_usage.holders())
     if not kill_at:
         assert after_all == after_10, (baseline, after_10, after_all)
         assert after_all["num_objects"] <= baseline["num_objects"], (baseline, after_all)
@@ -94,13 +94,17 @@ def check_ps_store_usage(kill_at=(), steps=STEPS):
         want = store.warm_bytes(sgd.plan, 2)
         assert want == 8 * 3 * sum(s.nbytes for s in sgd.plan.shards)
         # Known leak (found 2026-11-26, not fixed): after a worker dies, the PS actors
-        # keep the means of one step (one object per group, about the gradient's
-        # bytes) in the store until they are replaced: results they put and returned
-        # by reference to the dead worker (a borrower that never reports). Bounded
-        # per worker death, not per step: the check below allows exactly that.
-        group_bytes = sum(s.nbytes for s in sgd.plan.shards) + 8192 * len(sgd.shard_groups)
+        # keep means they put and returned by reference to the dead worker (a borrower
+        # that never reports) in the store until they are replaced: the last step's
+        # (one object per group, about the gradient's bytes), and under load the step
+        # before it too, whose release the worker had not reported yet (CI, 2026-11-28:
+        # 3 objects, 807 KB, 2 groups). Run alone: 1 object, held by the surviving PS
+        # (`ray memory`: PINNED_IN_MEMORY in its process; the killed PS's went with it).
+        # Bounded per worker death, not per step: the check below allows two steps'.
+        groups = len(sgd.shard_groups)
+        step_bytes = sum(s.nbytes for s in sgd.plan.shards) + 8192 * groups
         train_many_steps(sgd, baseline, kill_at=kill_at, steps=steps,
-                         kept_per_worker_death=(len(sgd.shard_groups), group_bytes))
+                         kept_per_worker_death=(2 * groups, 2 * step_bytes))
         assert len(sgd.failures) == len(kill_at)
         assert sgd.foreach_worker(lambda w: w.warmed_store_bytes) == [want, want]
         ps = ray.get([p.__ray_call__.remote(lambda p: p.warmed_store_bytes)
