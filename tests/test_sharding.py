@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from dsgd.comm.sharding import assign_shards, group_shards, plan_shards, whole_plan
+from dsgd.comm.sharding import (assign_shards, exchange_layout, group_shards, plan_shards,
+                                 whole_plan)
 from helpers import pack
 
 SHAPES = [(5, 7), (7,), (7, 3), (3,)]  # tiny.py's variables: 140, 28, 84, 12 bytes
@@ -132,3 +133,22 @@ def test_default_num_ps_is_one_per_worker_node_across_nodes_and_one_per_worker_o
     assert ps_nodes([0, 1, 2, 3], two_nodes) == ["a", "b", "a", "b"]
     assert ps_nodes([1], ["b", "a", "b"]) == ["a"]
     assert ps_nodes([0, 1], one_node) == ["a", "a"]
+
+
+def test_spread_plan_gives_every_ps_an_equal_share_within_the_cap():
+    from dsgd.comm.sharding import spread_plan, spread_shard_bytes
+
+    shapes, dtypes = [(10_000_000,)] * 4, ["float32"] * 4  # 160 MB, tensors larger than a shard
+    for num_ps, shards_per_ps in ((64, 1), (8, 2), (2, 8)):
+        plan = spread_plan(shapes, dtypes, 10_000_000, num_ps)
+        layout = exchange_layout(plan, num_ps)
+        shares = [sum(plan.shards[j].nbytes for j in g) for g in layout.groups]
+        assert len(shares) == num_ps and max(shares) - min(shares) <= max(shares) // 1000, shares
+        assert plan.num_shards == num_ps * shards_per_ps
+        assert max(s.nbytes for s in plan.shards) <= 10_000_000
+    # One PS (one node): the plan as plan_shards makes it, shards at the cap.
+    assert spread_plan(shapes, dtypes, 10_000_000, 1) == plan_shards(shapes, dtypes, 10_000_000)
+    assert spread_shard_bytes(160_000_000, 10_000_000, 8) == 10_000_000
+    assert spread_shard_bytes(160_000_000, 10_000_000, 64) == 2_500_032  # 64-byte aligned
+    assert spread_shard_bytes(4, 10_000_000, 2) == 64  # never below one aligned piece
+    assert spread_shard_bytes(4, 32, 2) == 32  # nor above the cap

@@ -418,9 +418,11 @@ def dsgd_layout(w: Workload, workers: int, shard_bytes: int, num_ps: int | None,
     group of its own (its own object and call): the tail's bytes spread over
     many PS nodes' links instead of one's."""
     from dsgd import constants
-    from dsgd.comm.sharding import bucket_layout, exchange_layout, plan_shards
+    from dsgd.comm.sharding import bucket_layout, exchange_layout, spread_plan
 
-    plan = plan_shards(list(w.shapes), ["float32"] * len(w.shapes), int(shard_bytes),
+    # One worker per node: on several, the engine's spread plan (launch.start).
+    spread = (num_ps or workers) if workers > 1 else 1
+    plan = spread_plan(list(w.shapes), ["float32"] * len(w.shapes), int(shard_bytes), spread,
                        compression=compression)
     asked = num_ps or max(1, min(plan.num_shards, workers))  # param_server.default_num_ps
     layout = exchange_layout(plan, asked)

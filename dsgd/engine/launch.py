@@ -19,7 +19,7 @@ from __future__ import annotations
 from dsgd import constants
 from dsgd.comm import store
 from dsgd.comm.param_server import default_num_ps, ps_nodes
-from dsgd.comm.sharding import ExchangeLayout, exchange_layout, plan_shards, whole_plan
+from dsgd.comm.sharding import ExchangeLayout, exchange_layout, spread_plan, whole_plan
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
 from dsgd.engine.resources import check_resources, check_store, wait_for_room
@@ -102,7 +102,11 @@ def start(config: Config, actors: ActorSet) -> Topology:
     wait_for_room(actors.worker_options, len(slots), actors.suffix, constants.START_ROOM_WAIT_S)
     infos = _set_up(config, actors, slots)
     check_signatures(infos, [f"worker {s}" for s in slots])
-    plan = (plan_shards(infos[0]["shapes"], infos[0]["dtypes"], config.grad_shard_bytes,
+    worker_nodes = [actors.info(s)["node_id"] for s in slots]
+    # On several nodes the shards are cut so that every PS (one per node by default)
+    # gets an equal share: sharding.spread_plan.
+    spread = (config.num_ps or len(set(worker_nodes))) if len(set(worker_nodes)) > 1 else 1
+    plan = (spread_plan(infos[0]["shapes"], infos[0]["dtypes"], config.grad_shard_bytes, spread,
                         compression=config.compression)
             if config.strategy == "ps" else whole_plan(infos[0]["shapes"], infos[0]["dtypes"]))
     check_store(plan, config.num_workers)
@@ -110,7 +114,7 @@ def start(config: Config, actors: ActorSet) -> Topology:
     configured = _configure(config, actors, slots, plan, warm_bytes)
     if config.uses_ps:
         layout = exchange_layout(plan, config.num_ps or default_num_ps(
-            plan.num_shards, config.num_workers, [actors.info(s)["node_id"] for s in slots]))
+            plan.num_shards, config.num_workers, worker_nodes))
     else:  # one group per shard; with one worker nothing is exchanged
         layout = ExchangeLayout(plan, tuple((j,) for j in range(plan.num_shards)))
     topology = Topology(

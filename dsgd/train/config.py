@@ -27,7 +27,8 @@ class DsgdConfig(BackendConfig):
         num_ps: PS actors (default: workers on one node, one per worker; on
             several nodes, one per worker node), round-robin over the workers'
             nodes, taking no CPU slot.
-        grad_shard_bytes: largest gradient shard, as the engine's.
+        grad_shard_bytes: largest gradient shard, as the engine's (on several
+            nodes cut smaller so that every PS gets an equal share).
         devices_per_worker: devices each Ray Train worker trains on; only 1 is
             supported here (the engine, `dsgd.DistributedSGD`, drives several).
         timeout_s: longest wait of one exchange, in seconds; then an error names

@@ -19,7 +19,7 @@ import numpy as np
 
 from dsgd.comm import timeline
 from dsgd.comm.ps_client import PSClient
-from dsgd.comm.sharding import exchange_layout, plan_shards
+from dsgd.comm.sharding import exchange_layout, spread_plan
 from dsgd.comm.waits import actor_died_errors
 from dsgd.errors import DsgdError
 
@@ -154,7 +154,10 @@ def _layout(ctx: dict, ps: PSClient, shapes: tuple, dtypes: tuple, compression):
     """The exchange layout of these arrays, made once (and the stores warmed for it)."""
     key = (shapes, dtypes, compression)
     if key not in ctx["layouts"]:
-        plan = plan_shards(shapes, dtypes, ctx["shard_bytes"], compression=compression)
+        # On several nodes (one PS per node by default), shards cut so that every PS
+        # gets an equal share, as the engine cuts them (sharding.spread_plan).
+        spread = len(ctx["ps"]) if len(ctx["node_sizes"]) > 1 else 1
+        plan = spread_plan(shapes, dtypes, ctx["shard_bytes"], spread, compression=compression)
         ctx["layouts"][key] = exchange_layout(plan, len(ctx["ps"]))
         _warm(ctx, ps, plan)
     return ctx["layouts"][key]
