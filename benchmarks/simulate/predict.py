@@ -8,18 +8,19 @@ simulator (sim.py) on the same nodes, links and compute profile.
 Grid: ResNet-50 and ResNet-101; V100 (FP32) and A100 (AMP); 1 and 8 GPUs per
 worker (one worker per node); 25 and 100 Gb/s NICs; 8, 32, 64 and 256 workers
 (32 x 8 GPUs: 256 GPUs).
-dsgd runs in two layouts: its default (10 MB shards, one PS per worker node up
-to the shard count) and one PS per node with shards of G/N bytes (what
-docs/scaling.md recommends at scale); the table gives both and the chart the
-better. BytePS gets partitions of min(4 MB, G/N) (its 4 MB default, smaller where
-N servers need more partitions than that makes); ring allreduce Horovod's
-defaults. Efficiency = one device's compute time / the step time (weak
+dsgd runs in its default layout: one PS per worker node, shards of at most 10 MB
+cut so that each PS gets an equal share (sharding.spread_plan; before 2026-11-29
+the default kept 10 MB shards, at most ~10 PS busy, and a second column gave one
+PS per node). BytePS runs twice: at its real default, 4 MB partitions, and tuned,
+partitions of min(4 MB, G/N) (smaller where N servers need more partitions than 4
+MB makes); ring allreduce at Horovod's defaults. Efficiency = one device's compute time / the step time (weak
 scaling: the same batch per device), so 8 GPUs per worker pay their NVLink
 mean too. Then the ablation (each Ray/PS cost removed, at 64 and 256 workers), a
 what-if not built (the tail's buckets cut over more PS: `what_if_tail`) and the
 sensitivity to what the model assumes (the pull's serving work, PS wake-ups, TCP
 incast: `sensitivity`). Also writes
-the chart (results/simulate_predictions.png) and the
+fp32 against fp16 on the wire for every system (`fp16`), the chart
+(results/simulate_predictions.png) and the
 place of Ray's 2018 DistributedSGD benchmark (ResNet-101, 16 V100 on two nodes,
 25 Gb/s: anchors.md).
 
@@ -46,7 +47,7 @@ from calibrate import RESULTS, costs_from  # noqa: E402
 
 GBIT = 1e9 / 8
 WORKERS = (8, 32, 64, 256)
-ALGORITHMS = ("dsgd", "dsgd, 1 PS/node", "ring", "byteps")
+ALGORITHMS = ("dsgd", "ring", "byteps", "byteps, 4 MB")
 
 
 def run_grid(costs: sim.Costs, quick: bool = False) -> list[dict]:
@@ -65,11 +66,12 @@ def run_grid(costs: sim.Costs, quick: bool = False) -> list[dict]:
                         per_node = max(64, -(-w.grad_bytes // n))
                         results = {
                             "dsgd": sim.simulate("dsgd", w, hw, costs, n),
-                            "dsgd, 1 PS/node": sim.simulate("dsgd", w, hw, costs, n,
-                                                            shard_bytes=per_node, num_ps=n),
                             "ring": sim.simulate("ring", w, hw, None, n),
                             "byteps": sim.simulate("byteps", w, hw, None, n, params=sim.BytePSParams(
                                 partition_bytes=min(4_096_000, per_node))),
+                            "byteps, 4 MB": sim.simulate("byteps", w, hw, None, n,
+                                                         params=sim.BytePSParams(
+                                                             partition_bytes=4_096_000)),
                         }
                         for name, r in results.items():
                             row[name] = {"step_s": r["step_s"],
@@ -96,8 +98,6 @@ def seed_benchmark(costs: sim.Costs) -> dict:
            "batch_per_gpu": 64, "workers": 2, "gpus_per_worker": 8, "compute_s": w.compute_s,
            "compute_source": source}
     for name, r in (("dsgd", sim.simulate("dsgd", w, hw, costs, 2)),
-                    ("dsgd, 1 PS/node", sim.simulate("dsgd", w, hw, costs, 2,
-                                                     shard_bytes=-(-w.grad_bytes // 2), num_ps=2)),
                     ("ring", sim.simulate("ring", w, hw, None, 2)),
                     ("byteps", sim.simulate("byteps", w, hw, None, 2))):
         out[name] = {"step_s": r["step_s"], "img_s": 16 * 64 / r["step_s"],
@@ -106,9 +106,9 @@ def seed_benchmark(costs: sim.Costs) -> dict:
 
 
 def ablation(costs: sim.Costs) -> list[dict]:
-    """Which term stops dsgd: ResNet-50, V100, 25 Gb/s, one GPU per worker, one PS
-    per node, each cost removed on its own (and all together), at 64 and 256
-    workers; ring allreduce beside it."""
+    """Which term stops dsgd: ResNet-50, V100, 25 Gb/s, one GPU per worker, the
+    default layout (one PS per node), each cost removed on its own (and all
+    together), at 64 and 256 workers; ring allreduce beside it."""
     w, _ = profiles.gpu_workload("resnet50", "V100")
     hw = sim.Hardware(link_bw=25 * GBIT)
     variants = [
@@ -125,12 +125,10 @@ def ablation(costs: sim.Costs) -> list[dict]:
                   {"pcie_bw": float("inf")}, {"prefetch": True})
     rows = []
     for n in (64, 256):
-        per_node = -(-w.grad_bytes // n)
         ring = sim.simulate("ring", w, hw, None, n)["step_s"]
         for name, c, h, o in variants + [everything]:
             r = sim.simulate("dsgd", w, dataclasses.replace(hw, **h),
-                             dataclasses.replace(costs, **c), n, shard_bytes=per_node,
-                             num_ps=n, **o)
+                             dataclasses.replace(costs, **c), n, **o)
             rows.append({"workers": n, "variant": name, "step_s": r["step_s"],
                          "efficiency": w.compute_s / r["step_s"], "worker0_s": r["worker0_s"],
                          "ring_efficiency": w.compute_s / ring})
@@ -138,7 +136,47 @@ def ablation(costs: sim.Costs) -> list[dict]:
     return rows
 
 
-SENSITIVITY = ("dsgd", "dsgd, 1 PS/node", "byteps")
+def fp16(costs: sim.Costs) -> list[dict]:
+    """fp32 against fp16 on the wire, like for like: ResNet-50, V100, 25 Gb/s, one
+    GPU per worker, each of dsgd (default layout; `compression="fp16"`), ring
+    allreduce (Horovod's `Compression.fp16`) and BytePS (tuned and at 4 MB)
+    sending 16-bit gradients, at every worker count."""
+    w, _ = profiles.gpu_workload("resnet50", "V100")
+    hw = sim.Hardware(link_bw=25 * GBIT)
+    rows = []
+    for n in WORKERS:
+        per_node = max(64, -(-w.grad_bytes // n))
+        row = {"workers": n}
+        for name, r in (
+                ("dsgd", sim.simulate("dsgd", w, hw, costs, n, compression="fp16")),
+                ("ring", sim.simulate("ring", w, hw, None, n, compression="fp16")),
+                ("byteps", sim.simulate("byteps", w, hw, None, n, compression="fp16",
+                                        params=sim.BytePSParams(
+                                            partition_bytes=min(4_096_000, per_node)))),
+                ("byteps, 4 MB", sim.simulate("byteps", w, hw, None, n, compression="fp16",
+                                              params=sim.BytePSParams(
+                                                  partition_bytes=4_096_000)))):
+            row[name] = w.compute_s / r["step_s"]
+        rows.append(row)
+        print(f"fp16 N={n}: " + ", ".join(f"{a} {100 * row[a]:.0f} %" for a in ALGORITHMS),
+              flush=True)
+    return rows
+
+
+def fp16_markdown(rows: list[dict], grid: list[dict]) -> str:
+    """The fp16 rows beside the same configuration's fp32 ones (from `grid`)."""
+    fp32 = {r["workers"]: r for r in grid if (r["model"], r["gpu"], r["devices"],
+                                                r["link_gbps"]) == ("resnet50", "V100", 1, 25)}
+    head = ("| workers | dsgd fp32 / fp16 | ring fp32 / fp16 | BytePS tuned fp32 / fp16 "
+            "| BytePS 4 MB fp32 / fp16 |\n|---:|---:|---:|---:|---:|\n")
+    return head + "\n".join(
+        f"| {r['workers']} | " + " | ".join(
+            (f"{100 * fp32[r['workers']][a]['efficiency']:.0f} % / " if r["workers"] in fp32
+             else "– / ") + f"{100 * r[a]:.0f} %" for a in ALGORITHMS) + " |"
+        for r in rows)
+
+
+SENSITIVITY = ("dsgd", "byteps")
 
 
 def sensitivity(costs: sim.Costs) -> list[dict]:
@@ -169,8 +207,6 @@ def sensitivity(costs: sim.Costs) -> list[dict]:
             row = {"workers": n, "variant": name, "ring_efficiency": w.compute_s / ring}
             for algorithm, r in (
                     ("dsgd", sim.simulate("dsgd", w, hw2, k, n)),
-                    ("dsgd, 1 PS/node", sim.simulate("dsgd", w, hw2, k, n, shard_bytes=per_node,
-                                                     num_ps=n)),
                     ("byteps", sim.simulate("byteps", w, hw2, None, n, params=sim.BytePSParams(
                         partition_bytes=min(4_096_000, per_node))))):
                 row[algorithm] = w.compute_s / r["step_s"]
@@ -181,8 +217,8 @@ def sensitivity(costs: sim.Costs) -> list[dict]:
 
 
 def sensitivity_markdown(rows: list[dict]) -> str:
-    head = ("| assumption (ResNet-50, V100, 25 Gb/s) | workers | dsgd default | dsgd, 1 PS/node "
-            "| BytePS | ring |\n|---|---:|---:|---:|---:|---:|\n")
+    head = ("| assumption (ResNet-50, V100, 25 Gb/s) | workers | dsgd | BytePS (tuned) "
+            "| ring |\n|---|---:|---:|---:|---:|\n")
     return head + "\n".join(
         f"| {r['variant']} | {r['workers']} | " + " | ".join(
             f"{100 * r[a]:.0f} %" for a in SENSITIVITY) + f" | {100 * r['ring_efficiency']:.0f} % |"
@@ -193,38 +229,40 @@ TAIL_PIECES = (1, 4, 16, 64)
 
 
 def what_if_tail(costs: sim.Costs) -> list[dict]:
-    """What would: dsgd (ResNet-50, V100, 25 Gb/s, one GPU per worker, one PS per
-    node) with each bucket whose fan-in would end after the backward pass cut
+    """What would: dsgd (ResNet-50, V100, 25 Gb/s, one GPU per worker, its default
+    layout: one PS per node) with each bucket whose fan-in would end after the backward pass cut
     into `pieces` pieces on distinct PS actors (sim.dsgd_layout's tail_pieces: a
     design not built), at every worker count; ring allreduce beside it."""
     w, _ = profiles.gpu_workload("resnet50", "V100")
     hw = sim.Hardware(link_bw=25 * GBIT)
     rows = []
     for n in WORKERS:
-        per_node = -(-w.grad_bytes // n)
         ring = sim.simulate("ring", w, hw, None, n)["step_s"]
-        for pieces in TAIL_PIECES:
+        for pieces, prefetch in [(p, False) for p in TAIL_PIECES] + [(1, True), (16, True)]:
             if pieces > n:
                 continue
-            r = sim.simulate("dsgd", w, hw, costs, n, shard_bytes=per_node, num_ps=n,
-                             tail_pieces=pieces)
-            rows.append({"workers": n, "pieces": pieces, "step_s": r["step_s"],
-                         "groups": r["groups"], "efficiency": w.compute_s / r["step_s"],
+            r = sim.simulate("dsgd", w, hw, costs, n, tail_pieces=pieces, prefetch=prefetch)
+            rows.append({"workers": n, "pieces": pieces, "prefetch": prefetch,
+                         "step_s": r["step_s"], "groups": r["groups"],
+                         "efficiency": w.compute_s / r["step_s"],
                          "ring_efficiency": w.compute_s / ring})
-            print(f"tail split N={n} pieces={pieces}: {100 * w.compute_s / r['step_s']:.0f} % "
-                  f"({r['groups']} groups)", flush=True)
+            print(f"tail split N={n} pieces={pieces} prefetch={prefetch}: "
+                  f"{100 * w.compute_s / r['step_s']:.0f} % ({r['groups']} groups)", flush=True)
     return rows
 
 
 def what_if_markdown(rows: list[dict]) -> str:
-    by = {(r["workers"], r["pieces"]): r for r in rows}
+    by = {(r["workers"], r["pieces"], r.get("prefetch", False)): r for r in rows}
     head = ("| tail buckets cut into | " + " | ".join(f"{n} workers" for n in WORKERS)
             + " |\n|---|" + "---:|" * len(WORKERS) + "\n")
     body = ""
-    for pieces in TAIL_PIECES:
-        cells = [f"{100 * by[n, pieces]['efficiency']:.0f} % ({by[n, pieces]['groups']} groups)"
-                 if (n, pieces) in by else "–" for n in WORKERS]
+    for pieces, prefetch in [(p, False) for p in TAIL_PIECES] + [(1, True), (16, True)]:
+        cells = [f"{100 * by[n, pieces, prefetch]['efficiency']:.0f} % "
+                 f"({by[n, pieces, prefetch]['groups']} groups)"
+                 if (n, pieces, prefetch) in by else "–" for n in WORKERS]
         name = "1 (as built)" if pieces == 1 else f"{pieces} pieces"
+        if prefetch:
+            name += ", each mean pulled as soon as summed"
         body += f"| {name} | " + " | ".join(cells) + " |\n"
     ring = {r["workers"]: r["ring_efficiency"] for r in rows}
     body += "| ring allreduce | " + " | ".join(f"{100 * ring[n]:.0f} %" for n in WORKERS) + " |\n"
@@ -234,7 +272,7 @@ def what_if_markdown(rows: list[dict]) -> str:
 def ablation_markdown(rows: list[dict]) -> str:
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["workers"], r["variant"]): r for r in rows}
-    head = ("| dsgd, 1 PS/node | 64 workers | 256 workers |\n|---|---:|---:|\n")
+    head = ("| dsgd (default layout) | 64 workers | 256 workers |\n|---|---:|---:|\n")
     lines = [f"| {v} | {100 * by[(64, v)]['efficiency']:.0f} % "
              f"| {100 * by[(256, v)]['efficiency']:.0f} % |" for v in variants]
     lines.append(f"| ring allreduce, for reference | {100 * by[(64, variants[0])]['ring_efficiency']:.0f} % "
@@ -243,8 +281,8 @@ def ablation_markdown(rows: list[dict]) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| model | GPU | GPUs/worker | link | workers | dsgd default | dsgd, 1 PS/node "
-            "| ring (Horovod) | BytePS |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
+    head = ("| model | GPU | GPUs/worker | link | workers | dsgd | ring (Horovod) "
+            "| BytePS, tuned | BytePS, 4 MB |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
     lines = []
     for r in rows:
         lines.append(f"| {r['model']} | {r['gpu']} | {r['devices']} | {r['link_gbps']} Gb/s "
@@ -264,12 +302,12 @@ def chart(rows: list[dict], path: str) -> None:
         sel = [r for r in rows if r["model"] == "resnet50" and r["gpu"] == "V100"
                and r["link_gbps"] == 25 and r["devices"] == devices]
         xs = [r["workers"] for r in sel]
-        best = [100 * max(r["dsgd"]["efficiency"], r["dsgd, 1 PS/node"]["efficiency"])
-                for r in sel]
-        ax.plot(xs, best, "o-", label="dsgd (better layout)")
-        ax.plot(xs, [100 * r["dsgd"]["efficiency"] for r in sel], "o:", label="dsgd default")
+        ax.plot(xs, [100 * r["dsgd"]["efficiency"] for r in sel], "o-", label="dsgd (default)")
         ax.plot(xs, [100 * r["ring"]["efficiency"] for r in sel], "s-", label="ring allreduce")
-        ax.plot(xs, [100 * r["byteps"]["efficiency"] for r in sel], "^-", label="BytePS-style PS")
+        ax.plot(xs, [100 * r["byteps"]["efficiency"] for r in sel], "^-",
+                label="BytePS-style PS, tuned")
+        ax.plot(xs, [100 * r["byteps, 4 MB"]["efficiency"] for r in sel], "^:",
+                label="BytePS-style PS, 4 MB")
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel("workers (one per node)")
@@ -301,11 +339,13 @@ def main(argv=None) -> dict:
     ablated = ablation(costs)
     tail = what_if_tail(costs)
     assumed = sensitivity(costs)
+    half = fp16(costs)
     table = markdown(rows)
     print(table)
     print(ablation_markdown(ablated))
     print(what_if_markdown(tail))
     print(sensitivity_markdown(assumed))
+    print(fp16_markdown(half, rows))
     print(json.dumps(seed, indent=1))
     result = {"benchmark": "simulate_predictions", "calibration": os.path.relpath(
         args.calibration, os.path.dirname(RESULTS)), "costs": dataclasses.asdict(costs),
@@ -316,6 +356,7 @@ def main(argv=None) -> dict:
         "ablation": ablated, "ablation_markdown": ablation_markdown(ablated),
         "what_if_tail_split": tail, "what_if_tail_split_markdown": what_if_markdown(tail),
         "sensitivity": assumed, "sensitivity_markdown": sensitivity_markdown(assumed),
+        "fp16": half, "fp16_markdown": fp16_markdown(half, rows),
         "wall_s": time.perf_counter() - started}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

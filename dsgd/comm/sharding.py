@@ -199,9 +199,10 @@ def spread_shard_bytes(total_bytes: int, shard_bytes: int, num_ps: int,
     ceil(G / (num_ps * k)) bytes with k = ceil(G / (num_ps * shard_bytes)) shards
     per PS, rounded up to `align_bytes` (never above `shard_bytes`, never below
     `align_bytes`)."""
-    per_ps = -(-max(1, total_bytes) // max(1, num_ps))
+    per_ps = -(-max(1, total_bytes) // max(1, num_ps))  # (ceilings throughout)
     k = -(-per_ps // shard_bytes)
-    size = -(-(-(-per_ps // k)) // align_bytes) * align_bytes
+    size = -(-per_ps // k)
+    size = -(-size // align_bytes) * align_bytes
     return max(min(align_bytes, shard_bytes), min(shard_bytes, size))
 
 
