@@ -65,10 +65,8 @@ class DistributedSGD:
             `config.gpu`.
         strategy: "ps" (sharded parameter servers) or "simple" (the driver averages
             whole gradients; the reference path). See `dsgd.constants.STRATEGIES`.
-        grad_shard_bytes: largest gradient shard, in bytes ("ps"). With workers
-            on several nodes, shards are cut smaller where that gives every PS
-            an equal share (the same number of equal shards each:
-            `dsgd.comm.sharding.spread_plan`).
+        grad_shard_bytes: largest gradient shard, in bytes ("ps"); on several
+            nodes cut so every PS gets an equal share (`sharding.spread_plan`).
         all_reduce_alg: local allreduce across a worker's devices, one of
             `dsgd.constants.ALL_REDUCE_ALGS` ("nccl" needs `gpu=True`).
         num_ps: PS actors ("ps"); default: workers on one node, one PS per
