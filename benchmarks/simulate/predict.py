@@ -13,7 +13,8 @@ cut so that each PS gets an equal share (sharding.spread_plan; before 2026-11-29
 the default kept 10 MB shards, at most ~10 PS busy, and a second column gave one
 PS per node). BytePS runs twice: at its real default, 4 MB partitions, and tuned,
 partitions of min(4 MB, G/N) (smaller where N servers need more partitions than 4
-MB makes); ring allreduce at Horovod's defaults. Efficiency = one device's compute time / the step time (weak
+MB makes); ring allreduce at Horovod's defaults. Efficiency = one device's compute
+time / the step time (weak
 scaling: the same batch per device), so 8 GPUs per worker pay their NVLink
 mean too. Then the ablation (each Ray/PS cost removed, at 64 and 256 workers), a
 what-if not built (the tail's buckets cut over more PS: `what_if_tail`) and the
@@ -50,6 +51,14 @@ WORKERS = (8, 32, 64, 256)
 ALGORITHMS = ("dsgd", "ring", "byteps", "byteps, 4 MB")
 
 
+def tuned_byteps(w, n: int) -> "sim.BytePSParams":
+    """BytePS tuned for `n` nodes: partitions of min(4 MB, G/N), so every node serves some."""
+    return sim.BytePSParams(partition_bytes=min(4_096_000, max(64, -(-w.grad_bytes // n))))
+
+
+AT_4_MB = sim.BytePSParams(partition_bytes=4_096_000)  # BytePS's own default
+
+
 def run_grid(costs: sim.Costs, quick: bool = False) -> list[dict]:
     rows = []
     models = ("resnet50",) if quick else ("resnet50", "resnet101")
@@ -63,15 +72,13 @@ def run_grid(costs: sim.Costs, quick: bool = False) -> list[dict]:
                         row = {"model": model, "gpu": gpu, "devices": devices, "link_gbps": gbps,
                                "workers": n, "gpus": n * devices, "compute_s": w.compute_s,
                                "compute_source": source}
-                        per_node = max(64, -(-w.grad_bytes // n))
                         results = {
                             "dsgd": sim.simulate("dsgd", w, hw, costs, n),
                             "ring": sim.simulate("ring", w, hw, None, n),
-                            "byteps": sim.simulate("byteps", w, hw, None, n, params=sim.BytePSParams(
-                                partition_bytes=min(4_096_000, per_node))),
+                            "byteps": sim.simulate("byteps", w, hw, None, n,
+                                                   params=tuned_byteps(w, n)),
                             "byteps, 4 MB": sim.simulate("byteps", w, hw, None, n,
-                                                         params=sim.BytePSParams(
-                                                             partition_bytes=4_096_000)),
+                                                         params=AT_4_MB),
                         }
                         for name, r in results.items():
                             row[name] = {"step_s": r["step_s"],
@@ -145,17 +152,14 @@ def fp16(costs: sim.Costs) -> list[dict]:
     hw = sim.Hardware(link_bw=25 * GBIT)
     rows = []
     for n in WORKERS:
-        per_node = max(64, -(-w.grad_bytes // n))
         row = {"workers": n}
         for name, r in (
                 ("dsgd", sim.simulate("dsgd", w, hw, costs, n, compression="fp16")),
                 ("ring", sim.simulate("ring", w, hw, None, n, compression="fp16")),
                 ("byteps", sim.simulate("byteps", w, hw, None, n, compression="fp16",
-                                        params=sim.BytePSParams(
-                                            partition_bytes=min(4_096_000, per_node)))),
+                                        params=tuned_byteps(w, n))),
                 ("byteps, 4 MB", sim.simulate("byteps", w, hw, None, n, compression="fp16",
-                                              params=sim.BytePSParams(
-                                                  partition_bytes=4_096_000)))):
+                                              params=AT_4_MB))):
             row[name] = w.compute_s / r["step_s"]
         rows.append(row)
         print(f"fp16 N={n}: " + ", ".join(f"{a} {100 * row[a]:.0f} %" for a in ALGORITHMS),
@@ -200,15 +204,14 @@ def sensitivity(costs: sim.Costs) -> list[dict]:
     ]
     rows = []
     for n in (64, 256):
-        per_node = max(64, -(-w.grad_bytes // n))
         ring = sim.simulate("ring", w, hw, None, n)["step_s"]
         for name, c, h in variants:
             k, hw2 = dataclasses.replace(costs, **c), dataclasses.replace(hw, **h)
             row = {"workers": n, "variant": name, "ring_efficiency": w.compute_s / ring}
             for algorithm, r in (
                     ("dsgd", sim.simulate("dsgd", w, hw2, k, n)),
-                    ("byteps", sim.simulate("byteps", w, hw2, None, n, params=sim.BytePSParams(
-                        partition_bytes=min(4_096_000, per_node))))):
+                    ("byteps", sim.simulate("byteps", w, hw2, None, n,
+                                            params=tuned_byteps(w, n)))):
                 row[algorithm] = w.compute_s / r["step_s"]
             rows.append(row)
             print(f"sensitivity N={n}: {name}: " + ", ".join(
@@ -226,19 +229,23 @@ def sensitivity_markdown(rows: list[dict]) -> str:
 
 
 TAIL_PIECES = (1, 4, 16, 64)
+# (tail pieces, each mean pulled as soon as summed): the what-if's rows
+WHAT_IFS = [(p, False) for p in TAIL_PIECES] + [(1, True), (16, True)]
 
 
 def what_if_tail(costs: sim.Costs) -> list[dict]:
     """What would: dsgd (ResNet-50, V100, 25 Gb/s, one GPU per worker, its default
-    layout: one PS per node) with each bucket whose fan-in would end after the backward pass cut
-    into `pieces` pieces on distinct PS actors (sim.dsgd_layout's tail_pieces: a
-    design not built), at every worker count; ring allreduce beside it."""
+    layout: one PS per node) with each bucket whose fan-in would end after the
+    backward pass cut into `pieces` pieces on distinct PS actors (sim.dsgd_layout's
+    tail_pieces), with and without each mean pulled as soon as it is summed
+    (`prefetch`): designs not built, at every worker count; ring allreduce beside
+    it."""
     w, _ = profiles.gpu_workload("resnet50", "V100")
     hw = sim.Hardware(link_bw=25 * GBIT)
     rows = []
     for n in WORKERS:
         ring = sim.simulate("ring", w, hw, None, n)["step_s"]
-        for pieces, prefetch in [(p, False) for p in TAIL_PIECES] + [(1, True), (16, True)]:
+        for pieces, prefetch in WHAT_IFS:
             if pieces > n:
                 continue
             r = sim.simulate("dsgd", w, hw, costs, n, tail_pieces=pieces, prefetch=prefetch)
@@ -256,7 +263,7 @@ def what_if_markdown(rows: list[dict]) -> str:
     head = ("| tail buckets cut into | " + " | ".join(f"{n} workers" for n in WORKERS)
             + " |\n|---|" + "---:|" * len(WORKERS) + "\n")
     body = ""
-    for pieces, prefetch in [(p, False) for p in TAIL_PIECES] + [(1, True), (16, True)]:
+    for pieces, prefetch in WHAT_IFS:
         cells = [f"{100 * by[n, pieces, prefetch]['efficiency']:.0f} % "
                  f"({by[n, pieces, prefetch]['groups']} groups)"
                  if (n, pieces, prefetch) in by else "–" for n in WORKERS]
