@@ -65,8 +65,7 @@ class DistributedSGD:
             `config.gpu`.
         strategy: "ps" (sharded parameter servers) or "simple" (the driver averages
             whole gradients; the reference path). See `dsgd.constants.STRATEGIES`.
-        grad_shard_bytes: largest gradient shard, in bytes ("ps"); on several
-            nodes cut so every PS gets an equal share (`sharding.spread_plan`).
+        grad_shard_bytes: largest gradient shard, in bytes ("ps"; several nodes: `spread_plan`).
         all_reduce_alg: local allreduce across a worker's devices, one of
             `dsgd.constants.ALL_REDUCE_ALGS` ("nccl" needs `gpu=True`).
         num_ps: PS actors ("ps"); default: workers on one node, one PS per
