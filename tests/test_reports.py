@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from dsgd import constants
-from dsgd.comm import reports
+from dsgd.comm import commit, reports
 from dsgd.config import Config
 
 
 def _info(rng, replicas=2, metrics=("acc",)):
-    """A worker's report of one step, as a meta carries it (a dict)."""
+    """A worker's report of one step: StepReport's fields, as a meta carries them."""
     return {"losses": rng.normal(size=replicas).tolist(),
             "metrics": {m: rng.uniform(size=replicas).tolist() for m in metrics},
             "samples": int(rng.integers(1, 9)), "data_s": float(rng.uniform()),
@@ -43,7 +43,8 @@ def test_a_call_tally_merged_equals_adding_each_step():
 def test_step_summary_is_every_workers_totals():
     rng = np.random.default_rng(1)
     infos = [_info(rng, replicas=3) for _ in range(5)]
-    metas = [{"slot": k, "report": info} for k, info in enumerate(infos)]
+    metas = [commit.meta(k, [True] * 3, ["acc"], report=reports.StepReport(**info))
+             for k, info in enumerate(infos)]
     own = reports.StepReport(exchange_s=0.25, apply_s=0.125, decision="skip",
                              nonfinite=[(3, 1)])
     row = reports.step_summary(metas, own)

@@ -189,7 +189,7 @@ class ParameterServer:
             self._combine(meeting)
 
     @ray.method(concurrency_group=RENDEZVOUS)
-    def choose(self, seq: int, rank: int, world: int, need: int, meta: dict) -> tuple:
+    def choose(self, seq: int, rank: int, world: int, need: int, meta) -> tuple:
         """Backup workers: rank `rank` has its whole gradient of step `seq` (its
         `meta` says whether it is finite, dsgd/comm/commit.py). The first `need`
         ranks to arrive are the step's contributors, for every group alike.

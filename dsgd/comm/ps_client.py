@@ -26,6 +26,7 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from dsgd.comm import timeline
 from dsgd.comm.sharding import ExchangeLayout, to_wire
 from dsgd.comm.waits import actor_died_errors, dead_owners, fetch, outcomes, ready
 from dsgd.errors import StepTimeoutError
+
+if TYPE_CHECKING:
+    from dsgd.comm.commit import Meta
 
 # While waiting, how often the client looks at its peers (seconds).
 POLL_S = 1.0
@@ -110,7 +114,7 @@ class PSClient:
         return StepExchange(self, layout, seq, label)
 
     # -- backup workers: the first `need` of the workers make a step --------------------------
-    def choose(self, seq: int, meta: dict, label: str) -> tuple[list[int], list[dict], bool]:
+    def choose(self, seq: int, meta: Meta, label: str) -> tuple[list[int], list[Meta], bool]:
         """Step `seq`'s contributors (PS 0 `choose`: the first `need` ranks to
         have their whole gradient): (sorted ranks, their metas in that order,
         whether this worker is one). Blocks until they are chosen, at most
@@ -119,7 +123,7 @@ class PSClient:
         ref = self.ps[0].choose.remote(seq, self.rank, self.world, self.need, meta)
         return tuple(self._wait([ref], [0], seq, label, kind="choose", watch=()))[0]
 
-    def decided(self, seq: int, label: str) -> tuple[list[int], list[dict], bool] | None:
+    def decided(self, seq: int, label: str) -> tuple[list[int], list[Meta], bool] | None:
         """`choose`'s answer if step `seq`'s contributors are chosen already (this
         worker, late, then sits the step out), else None. One round trip to PS 0."""
         ref = self.ps[0].decided.remote(seq, self.rank, self.world)
@@ -311,7 +315,7 @@ class StepExchange:
             if answer is None:
                 self.send(g, None)
 
-    def metas(self, meta: dict) -> list[dict]:
+    def metas(self, meta: Meta) -> list[Meta]:
         """Every worker's `meta` of this step, in rank order (PS 0 gathers them).
         While waiting, reads the means already summed (`collect`). Blocks, at
         most the client's `timeout_s`; a dead peer or PS 0 ends the wait at once
@@ -323,7 +327,7 @@ class StepExchange:
             self.collect()
         return client._wait([ref], [0], self.seq, self.label, kind="gather")[0]
 
-    def choose(self, meta: dict) -> tuple[list[int], list[dict], bool]:
+    def choose(self, meta: Meta) -> tuple[list[int], list[Meta], bool]:
         """(backup workers, instead of `metas`) This step's contributors: PS 0
         names the first `need` workers to have sent their meta (`PSClient.choose`:
         (sorted ranks, their metas in that order, whether this worker is one)).

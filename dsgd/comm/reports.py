@@ -118,17 +118,16 @@ def merge(tally: dict, later: dict) -> None:
     tally["last"].update(later["last"])
 
 
-def step_summary(metas: list[dict], own: StepReport) -> StepSummary:
-    """One step's totals from every worker's meta (each with its `report`: a dict
-    of losses, metrics, samples, data_s, compute_s, as `commit.meta` carries
-    it) and the reporter's own report `own` (its decision, non-finite list,
+def step_summary(metas: list, own: StepReport) -> StepSummary:
+    """One step's totals from every worker's `commit.Meta` (each with its
+    `report`: its losses, metrics, samples, data_s, compute_s) and the reporter's own report `own` (its decision, non-finite list,
     exchange and apply times)."""
-    reports = [m["report"] for m in metas]
-    losses = [x for r in reports for x in r["losses"]]
+    reports = [m.report for m in metas]
+    losses = [x for r in reports for x in r.losses]
     return StepSummary(loss=float(np.mean(losses)),
-                       samples=sum(int(r["samples"]) for r in reports),
-                       data_s=max(r.get("data_s", 0.0) for r in reports),
-                       compute_s=max(r.get("compute_s", 0.0) for r in reports),
+                       samples=sum(int(r.samples) for r in reports),
+                       data_s=max(r.data_s for r in reports),
+                       compute_s=max(r.compute_s for r in reports),
                        exchange_s=own.exchange_s, apply_s=own.apply_s, decision=own.decision,
                        nonfinite=own.nonfinite, workers=len(reports),
-                       contributors=sorted(m["slot"] for m in metas))
+                       contributors=sorted(m.slot for m in metas))

@@ -212,11 +212,10 @@ class WorkerSteps:
         for seq, step_metas in metas.items():
             for k in lost:
                 meta = step_metas[k] if k < len(step_metas) else None
-                if meta is None or "report" not in meta:
+                if meta is None or meta.report is None:
                     continue
-                rows[(seq, k)] = StepReport(**{**meta["report"], "data_s": 0.0,
-                                               "compute_s": 0.0}, finite=meta["finite"],
-                                            rebuilt=True)
+                rows[(seq, k)] = dataclasses.replace(meta.report, data_s=0.0, compute_s=0.0,
+                                                     finite=list(meta.finite), rebuilt=True)
         return rows
 
     # -- backup workers ---------------------------------------------------------------------
@@ -335,7 +334,7 @@ class WorkerSteps:
                               self.config.step_timeout_s)
             except Exception:  # noqa: BLE001 - another survivor may say
                 continue
-            return [(decision, sorted(m["slot"] for m in metas[seq] if m is not None)
+            return [(decision, sorted(m.slot for m in metas[seq] if m is not None)
                      if contributors is None and seq in metas else contributors, summary)
                     for (decision, contributors, summary), seq in zip(rows, self.seqs)]
         return rows

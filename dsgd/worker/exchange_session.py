@@ -97,7 +97,7 @@ class ExchangeSession:
         return self.plan.buckets
 
     def exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool = False,
-                       reporter: bool = False) -> list[dict] | dict:
+                       reporter: bool = False) -> list | CompactAnswer:
         """Synchronous steps with every other worker, exchanged by this worker
         itself through the PS actors (`join`): for each step, the gradient,
         averaged across local replicas, goes to the PS actors group by group with
@@ -225,8 +225,8 @@ class ExchangeSession:
                 for seq in seqs:
                     for m in self._recent_metas[seq]:
                         if m is not None:
-                            reports.add_step(tallies.setdefault(m["slot"], reports.worker_tally()),
-                                             StepReport(**m["report"]))
+                            reports.add_step(tallies.setdefault(m.slot, reports.worker_tally()),
+                                             m.report)
                 out.tallies = tallies
         return out
 
@@ -273,12 +273,12 @@ class ExchangeSession:
                             metrics={k: v.numpy().tolist() for k, v in metrics.items()},
                             samples=samples, data_s=data_s, compute_s=computed_at - start)
         mine = commit.meta(self.worker_index, finite, list(metrics),
-                           report={"losses": report.losses, "metrics": report.metrics,
-                                   "samples": samples, "data_s": data_s,
-                                   "compute_s": report.compute_s})
+                           report=StepReport(losses=report.losses, finite=finite,
+                                             metrics=report.metrics, samples=samples,
+                                             data_s=data_s, compute_s=report.compute_s))
         metas, contributed = self._arrive(seq, sending, mine)
         if contributed is not None:  # backup workers
-            report.contributors = sorted(m["slot"] for m in metas)
+            report.contributors = sorted(m.slot for m in metas)
             report.contributed = contributed
             if not contributed and data is None:
                 report.dropped_rows = samples  # a get_batch batch computed for nothing
@@ -407,7 +407,7 @@ class ExchangeSession:
             self.buckets_averaged_here += len(sending.fell_back)
             self._dead_ps = sorted({self._buckets.ps_of_group[g] for g in sending.fell_back})
 
-    def _by_rank(self, chosen: list[int], metas: list[dict]) -> list:
+    def _by_rank(self, chosen: list[int], metas: list) -> list:
         """The contributors' `metas` (in `chosen` order) at their ranks, None elsewhere."""
         full: list = [None] * self._exchange[0].world
         for r, m in zip(chosen, metas):
@@ -429,7 +429,7 @@ class ExchangeSession:
         self._sendings[seq] = sending
         return self._observe(seq, sending, chosen, metas, start, sat_out=True)
 
-    def _observe(self, seq: int, sending, chosen: list[int], metas: list[dict], start: float,
+    def _observe(self, seq: int, sending, chosen: list[int], metas: list, start: float,
                  sat_out: bool) -> StepReport:
         """(backup workers) Arrive without compute: step `seq` without a
         part of this worker's in its mean (`chosen`: its contributors, `metas`
@@ -449,7 +449,7 @@ class ExchangeSession:
         return StepReport(exchange_s=end - sent - apply_s, apply_s=apply_s,
                           applied=decision.action == commit.APPLY, decision=decision.action,
                           nonfinite=list(decision.nonfinite),
-                          contributors=sorted(m["slot"] for m in metas),
+                          contributors=sorted(m.slot for m in metas),
                           contributed=False, sat_out=sat_out)
 
     @ray.method(concurrency_group="peer")
