@@ -203,6 +203,24 @@ def test_ring_allreduce_matches_its_closed_form():
         assert r["step_s"] == pytest.approx(2 * (n - 1) / n * 4 * MIB / 1e9, rel=1e-3)
 
 
+def test_the_emulated_ring_is_checked_against_the_ring_model_at_its_tcp_rate():
+    # check.py's row for a Horovod run of emulated_ring.py: the compute from the run's
+    # own one-rank step, the ring at the measured link rate, the host's update after it.
+    import check
+
+    cal = {"apply": {"apply_s": 0.0, "apply_bw": 2e9}}
+    run = {"system": "horovod", "nodes": 4, "model": "flat", "latency_ms": 0.0,
+           "model_params": {"mib": 8.0, "num_variables": 16},
+           "measured_link": {"one_way_mbit": 160.0, "duplex_mbit": [150.0, 152.0, 150.0]},
+           "one_rank_step_s": 0.02}
+    r = check.simulate_ring_run(run, cal)
+    floor = 2 * 3 / 4 * 8 * MIB / (150e6 / 8)
+    assert r["buffers"] == 1
+    assert r["step_s"] == pytest.approx(0.02 + floor, abs=1.5e-3)  # + Horovod's 1 ms cycle
+    assert r["link_mbit"] == pytest.approx(150.0)
+    assert check.label(run) == "4 nodes, flat 8 MiB / 16, Horovod ring (Gloo)"
+
+
 def test_byteps_moves_each_partition_once_each_way():
     # Two nodes, one 4 MiB tensor in one partition on server 0: worker 1 pushes
     # S and pulls S through its NIC; PCIe and the summing are free here.

@@ -737,6 +737,7 @@ def run_dsgd(cluster: EmulatedCluster, model: dict, steps: int, warmup: int, *,
         summaries = [sgd.train(steps, desc="measured") for _ in range(rounds)]
         after, cpu_after = cluster.tc_bytes(), _cpu_times()
         overlaps = sgd.config.overlaps
+        shard_bytes = sgd.config.grad_shard_bytes
     finally:
         sgd.shutdown()
     total = cpu_after[0] - cpu_before[0]
@@ -750,7 +751,7 @@ def run_dsgd(cluster: EmulatedCluster, model: dict, steps: int, warmup: int, *,
                            for k in summaries[0]["mean_times"]},
             "train_s": [s["train_s"] for s in summaries],
             "steps": steps, "rounds": rounds, "warmup": warmup, "overlap_resolved": overlaps,
-            "worker_nodes": workers, "ps_nodes": ps,
+            "worker_nodes": workers, "ps_nodes": ps, "grad_shard_bytes": shard_bytes,
             "tc_bytes": tc,
             "tc_bytes_per_step": {node: {d: v / measured for d, v in dirs.items()}
                                   for node, dirs in tc.items()},
@@ -760,15 +761,60 @@ def run_dsgd(cluster: EmulatedCluster, model: dict, steps: int, warmup: int, *,
 
 # -- CLI ----------------------------------------------------------------------------
 
-def grid(nodes: int) -> list[tuple[dict, dict]]:
-    """(model spec, DistributedSGD options) of each run on `nodes` nodes."""
+def grid(nodes: int, layouts: str = "both") -> list[tuple[dict, dict]]:
+    """(model spec, DistributedSGD options) of each run on `nodes` nodes. `layouts`:
+    "explicit" (shards and PS count set per run, the grid the simulator was checked
+    on first), "default" (the sleepy model overlapped, as `gpu=True` runs it, in the
+    layout dsgd picks itself: one PS per node, the gradient spread equally over
+    them), or "both"."""
     flat = {"name": "flat", "mib": 8.0, "num_variables": 16}
     sleepy = {"name": "sleepy", "layers": 4, "forward_ms": 10.0, "backward_ms": 20.0}
-    return [
+    explicit = [
         (flat, {"grad_shard_bytes": (8 * MIB) // nodes, "num_ps": nodes, "overlap": None}),
         (sleepy, {"grad_shard_bytes": 4 * MIB, "num_ps": min(nodes, 4), "overlap": True}),
         (sleepy, {"grad_shard_bytes": 4 * MIB, "num_ps": min(nodes, 4), "overlap": False}),
     ]
+    default = [(sleepy, {"overlap": True})]
+    return {"explicit": explicit, "default": default, "both": explicit + default}[layouts]
+
+
+def _ring_models(nodes: int, names: list[str]) -> list[dict]:
+    """Each model of the grid once (the ring has no shard or PS options)."""
+    out = []
+    for model, _ in grid(nodes, "explicit"):
+        if model["name"] in names and model not in out:
+            out.append(model)
+    return out
+
+
+def _ring_run(cluster: EmulatedCluster, model: dict, args, link_mbit: float) -> dict:
+    """One Horovod ring run of `model` on `cluster` (emulated_ring.py), as an entry
+    of the runs (`system` "horovod"; dsgd's entries have none)."""
+    import emulated_ring
+
+    entry = {"system": "horovod", "nodes": cluster.num_nodes, "model": model["name"],
+             "model_params": {k: v for k, v in model.items() if k != "name"},
+             "model_bytes": model_bytes(model), "link_mbit": link_mbit,
+             "latency_ms": args.latency_ms, "measured_link": cluster.link}
+    label = f"horovod ring, {model['name']} {model_bytes(model) / MIB:g} MiB"
+    print(f"   {label} ...", end=" ", flush=True)
+    why = emulated_ring.available()
+    if why is not None:
+        entry["error"] = why
+        print(f"not run: {why}", flush=True)
+        return entry
+    try:
+        entry.update(emulated_ring.run_horovod(cluster, model, args.steps, args.warmup,
+                                               rounds=args.rounds))
+        entry["link_floor_s"] = max(max(v.values()) for v in
+                                    entry["tc_bytes_per_step"].values()) * 8 / (link_mbit * 1e6)
+        print(f"step {entry['step_s'] * 1e3:.0f} ms (one rank {entry['one_rank_step_s'] * 1e3:.0f}"
+              f" ms, link floor {entry['link_floor_s'] * 1e3:.0f} ms, cpu busy "
+              f"{entry['cpu_busy']:.0%}, {entry['wall_s']:.0f}s)", flush=True)
+    except Exception as e:  # noqa: BLE001 - recorded, the grid goes on
+        entry["error"] = f"{type(e).__name__}: {e}"
+        print(f"FAILED: {entry['error'][:2000]}", flush=True)
+    return entry
 
 
 def platform_info() -> dict:
@@ -802,6 +848,12 @@ def main(argv=None) -> int:
                         help="added node -> node one-way delay (half on each node's link)")
     parser.add_argument("--store-mib", type=int, default=512, help="object store per worker node")
     parser.add_argument("--models", nargs="+", default=["flat", "sleepy"])
+    parser.add_argument("--layouts", choices=["explicit", "default", "both"], default="both",
+                        help="dsgd's runs: the explicit grid, dsgd's default layout, or both")
+    parser.add_argument("--ring", action="store_true",
+                        help="also run Horovod's ring (Gloo) on the same nodes and links, each "
+                             "model once (emulated_ring.py; needs benchmarks/peers/setup_horovod.sh)")
+    parser.add_argument("--no-dsgd", action="store_true", help="with --ring: the ring runs only")
     parser.add_argument("--out", default=os.path.join(BENCHMARKS, "results", "emulated.json"))
     parser.add_argument("--cleanup", action="store_true",
                         help="remove leftovers (dsgd-* netns, dsgd* links, their processes) "
@@ -841,16 +893,19 @@ def main(argv=None) -> int:
                   f"rtt {link['rtt_ms']:.2f} ms", flush=True)
             result["clusters"].append({"nodes": nodes, "start_s": cluster.start_s, "link": link,
                                        "object_store_bytes": cluster.object_store_bytes})
-            for model, options in grid(nodes):
-                if model["name"] not in args.models:
+            for model, options in grid(nodes, args.layouts):
+                if model["name"] not in args.models or args.no_dsgd:
                     continue
-                label = (f"{model['name']} {model_bytes(model) / MIB:g} MiB, shard "
-                         f"{options['grad_shard_bytes']}, {options['num_ps']} PS, overlap "
-                         f"{options['overlap']}")
+                label = (f"{model['name']} {model_bytes(model) / MIB:g} MiB, " + (
+                    f"shard {options['grad_shard_bytes']}, {options['num_ps']} PS"
+                    if "num_ps" in options else "default layout")
+                    + f", overlap {options['overlap']}")
                 print(f"   {label} ...", end=" ", flush=True)
                 entry = {"nodes": nodes, "model": model["name"],
                          "model_params": {k: v for k, v in model.items() if k != "name"},
-                         "model_bytes": model_bytes(model), **options,
+                         "model_bytes": model_bytes(model),
+                         "layout": "explicit" if "num_ps" in options else "default",
+                         "num_ps": None, **options,
                          "link_mbit": link_mbit, "latency_ms": args.latency_ms,
                          "measured_link": link}
                 try:
@@ -871,6 +926,10 @@ def main(argv=None) -> int:
                     print(f"FAILED: {entry['error']}", flush=True)
                 result["runs"].append(entry)
                 write()
+            if args.ring:
+                for model in _ring_models(nodes, args.models):
+                    result["runs"].append(_ring_run(cluster, model, args, link_mbit))
+                    write()
     write()
     print(f"wrote {args.out} ({result['grid_wall_s']:.0f}s)")
     return 0
