@@ -764,9 +764,9 @@ def run_dsgd(cluster: EmulatedCluster, model: dict, steps: int, warmup: int, *,
 def grid(nodes: int, layouts: str = "both") -> list[tuple[dict, dict]]:
     """(model spec, DistributedSGD options) of each run on `nodes` nodes. `layouts`:
     "explicit" (shards and PS count set per run, the grid the simulator was checked
-    on first), "default" (the sleepy model overlapped, as `gpu=True` runs it, in the
-    layout dsgd picks itself: one PS per node, the gradient spread equally over
-    them), or "both"."""
+    on first), "default" (the sleepy model in the layout dsgd picks itself: one PS
+    per node, the gradient spread equally over them; overlapped, as `gpu=True`
+    runs it, and after the backward pass), or "both"."""
     flat = {"name": "flat", "mib": 8.0, "num_variables": 16}
     sleepy = {"name": "sleepy", "layers": 4, "forward_ms": 10.0, "backward_ms": 20.0}
     explicit = [
@@ -774,7 +774,7 @@ def grid(nodes: int, layouts: str = "both") -> list[tuple[dict, dict]]:
         (sleepy, {"grad_shard_bytes": 4 * MIB, "num_ps": min(nodes, 4), "overlap": True}),
         (sleepy, {"grad_shard_bytes": 4 * MIB, "num_ps": min(nodes, 4), "overlap": False}),
     ]
-    default = [(sleepy, {"overlap": True})]
+    default = [(sleepy, {"overlap": True}), (sleepy, {"overlap": False})]
     return {"explicit": explicit, "default": default, "both": explicit + default}[layouts]
 
 

@@ -346,9 +346,13 @@ class StepExchange:
         return chosen, metas, mine
 
     def collect(self) -> None:
-        """Read, in one call each, every group's answer and mean that is in already
+        """Read every group's mean that is summed and already in this node's store
         (kept for `mean`); a group whose answer failed is left to `mean`. Does
-        not block."""
+        not block: a mean summed on another node is left for `read`, which pulls
+        every remaining mean at once. (Pulled here, every worker would pull the
+        means summed first from their PS at once, then the rest: two rounds, each
+        keeping only some PS's uplinks busy. 8 emulated nodes, default layout,
+        overlapped: 5.5-5.9 s a step against 4.0 s after the backward pass.)"""
 
         waiting = [(g, a) for g, a in enumerate(self.answers)
                    if a is not None and g not in self._means]
@@ -359,8 +363,12 @@ class StepExchange:
         if not groups:
             return
         try:
-            results = fetch([self.answers[g] for g in groups], self.label, self.client.timeout_s)
-            means = fetch([r[0] for r in results], self.label, self.client.timeout_s)
+            refs = [r[0] for r in fetch([self.answers[g] for g in groups], self.label,
+                                        self.client.timeout_s)]
+            here = set(ready(refs)[0])  # (timeout 0: in this node's store now)
+            groups, refs = zip(*[(g, r) for g, r in zip(groups, refs) if r in here]) \
+                if here else ((), ())
+            means = fetch(list(refs), self.label, self.client.timeout_s) if refs else []
         except Exception:  # noqa: BLE001 - a failed group is `mean`'s to name or average
             return
         for g, m in zip(groups, means):
