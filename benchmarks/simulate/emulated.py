@@ -2,8 +2,12 @@
 
     sudo python benchmarks/simulate/emulated.py [--nodes 2 4 8] [--steps 8] [--rounds 2] [--warmup 2]
         [--link-mbit M | --aggregate-mbit 640] [--latency-ms 0] [--store-mib 512]
+        [--models flat sleepy] [--layouts explicit|default|both] [--ring [--no-dsgd]]
         [--out benchmarks/results/emulated.json]
     sudo python benchmarks/simulate/emulated.py --cleanup    # leftovers of a crashed run
+
+`--ring` also runs Horovod's ring allreduce (Gloo) on the same nodes and links
+(emulated_ring.py; build Horovod first with benchmarks/peers/setup_horovod.sh).
 
 Needs root, `ip` and `tc` (iproute2), network namespaces, veth, bridge and htb;
 netem only for latency_ms > 0. THIS machine's kernel has no netem (nor fq, so no
