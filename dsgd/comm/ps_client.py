@@ -366,12 +366,12 @@ class StepExchange:
             refs = [r[0] for r in fetch([self.answers[g] for g in groups], self.label,
                                         self.client.timeout_s)]
             here = set(ready(refs)[0])  # (timeout 0: in this node's store now)
-            groups, refs = zip(*[(g, r) for g, r in zip(groups, refs) if r in here]) \
-                if here else ((), ())
-            means = fetch(list(refs), self.label, self.client.timeout_s) if refs else []
+            local = [(g, r) for g, r in zip(groups, refs) if r in here]
+            means = fetch([r for _, r in local], self.label, self.client.timeout_s) \
+                if local else []
         except Exception:  # noqa: BLE001 - a failed group is `mean`'s to name or average
             return
-        for g, m in zip(groups, means):
+        for (g, _), m in zip(local, means):
             if m is not None:
                 self._means[g] = m
 

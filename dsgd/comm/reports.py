@@ -120,7 +120,8 @@ def merge(tally: dict, later: dict) -> None:
 
 def step_summary(metas: list, own: StepReport) -> StepSummary:
     """One step's totals from every worker's `commit.Meta` (each with its
-    `report`: its losses, metrics, samples, data_s, compute_s) and the reporter's own report `own` (its decision, non-finite list,
+    `report`: its losses, metrics, samples, data_s, compute_s) and the
+    reporter's own report `own` (its decision, non-finite list,
     exchange and apply times)."""
     reports = [m.report for m in metas]
     losses = [x for r in reports for x in r.losses]

@@ -273,9 +273,7 @@ class ExchangeSession:
                             metrics={k: v.numpy().tolist() for k, v in metrics.items()},
                             samples=samples, data_s=data_s, compute_s=computed_at - start)
         mine = commit.meta(self.worker_index, finite, list(metrics),
-                           report=StepReport(losses=report.losses, finite=finite,
-                                             metrics=report.metrics, samples=samples,
-                                             data_s=data_s, compute_s=report.compute_s))
+                           report=dataclasses.replace(report))  # (a copy: `report` changes)
         metas, contributed = self._arrive(seq, sending, mine)
         if contributed is not None:  # backup workers
             report.contributors = sorted(m.slot for m in metas)
