@@ -136,9 +136,9 @@ def dsgd_s(mib, workers, num_ps, steps, warmup, shard_bytes, num_variables, comp
                              grad_shard_bytes=shard_bytes, compression=compression) as sgd:
         for _ in range(warmup):
             sgd.step()
-        pids = {f"worker{i}": ray.get(w.ping.remote(), timeout=60)["pid"]
+        pids = {f"worker{i}": ray.get(w.ping.remote(), timeout=60).pid
                 for i, w in enumerate(sgd.workers)}
-        pids.update({f"ps{j}": ray.get(p.ping.remote(), timeout=60)["pid"]
+        pids.update({f"ps{j}": ray.get(p.ping.remote(), timeout=60).pid
                      for j, p in enumerate(sgd.ps_actors)})
         pids.update(raylet=raylet_pid(), driver=os.getpid())
         pids = {k: v for k, v in pids.items() if v is not None}

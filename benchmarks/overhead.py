@@ -175,7 +175,7 @@ def main(argv=None):
             timed(plain, 3)
             timed(sgd.step, 3)
             sgd.train(num_steps=3)
-            pids = {"worker": ray.get(sgd.workers[0].ping.remote(), timeout=60)["pid"],
+            pids = {"worker": ray.get(sgd.workers[0].ping.remote(), timeout=60).pid,
                     "raylet": raylet_pid(), "driver": os.getpid()}
             pids = {k: v for k, v in pids.items() if v is not None}
             cpu_ms = {k: [] for k in pids}  # CPU ms per step of each process, in train()

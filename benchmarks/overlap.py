@@ -24,7 +24,7 @@ of each one's median step over `--steps` steps of `train()`, batches from a
   compiled call, beside its forward pass (a layer's forward sleep starts once
   its weight is read, i.e. updated), except a call's last step;
 - `two, compute, overlapped, applied before the next`: the same, each step
-  applied before the next begins (`Worker.defer_apply` False: issue 35 before
+  applied before the next begins (the plan's update "in stages": issue 35 before
   its item 3);
 - `two, compute, after backward`: sent after the backward pass (`overlap=False`,
   the step before issue 35): compute + whatever of the exchange is not hidden;
@@ -51,7 +51,7 @@ Real models (`--real-rounds R`, 0 to skip): the MNIST CNN (dsgd/examples/mnist.p
 batch 64 per worker) and ResNet-50 on 32x32 images (benchmarks/peers, batch 2 per
 worker), two workers each, one instance per model: R rounds of `--real-steps`
 steps of `train()` with the gradient sent during the backward pass, then the
-same with it sent after (Worker.overlap False, the step before issue 35),
+same with it sent after (the plan's during_backward False, the step before issue 35),
 interleaved on the same workers; the median step time of each, and their ratio.
 (Their batches come from get_batch: each step is applied before the next.)
 """
@@ -162,7 +162,7 @@ def run(workers: str, compute: bool, path: str | None, args,
                               overlap=overlap)
     try:
         if path == APPLIED_BEFORE:
-            sgd.foreach_worker(lambda w: setattr(w, "defer_apply", False))
+            sgd._loop.replan(True, "in stages")
         # (batches from a dataset, as in real training: a step is applied in the next
         # step's call only then, as get_batch may read the model's state)
         data = dsgd.Dataset([np.ones(4, np.float32)] * (64 * BATCH), batch_size=BATCH)
@@ -219,8 +219,8 @@ def real_models(args) -> dict:
             sgd.train(args.warmup)
             for r in range(args.real_rounds):
                 for overlap in (True, False):
-                    # (as overlap=True or False would; join, at a membership change, resets it)
-                    sgd.foreach_worker(lambda w, on=overlap: setattr(w, "overlap", on))
+                    # (as overlap=True or False would: the workers join again)
+                    sgd._loop.replan(overlap)
                     sgd.train(2)  # (the other path's first steps: warm)
                     summary = sgd.train(args.real_steps)
                     times[overlap].append(1e3 * summary["step_s"])

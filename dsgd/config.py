@@ -29,9 +29,10 @@ class Config:
     """
 
     @property
-    def overlaps(self) -> bool:
+    def during_backward(self) -> bool:
         """Whether the workers' exchange sends the gradient during the backward
-        pass: `overlap`, or by default whether the workers compute on GPUs."""
+        pass (`overlap` resolved): `overlap`, or by default whether the workers
+        compute on GPUs."""
         return bool(self.gpu) if self.overlap is None else self.overlap
 
     model_creator: Callable[[int, int], Any]

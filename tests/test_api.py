@@ -53,7 +53,7 @@ def test_ps_processes_do_not_load_tensorflow(sgd2x2):
     """A PS sums numpy arrays: its process must not import TensorFlow (~0.6 GB and
     ~5 s of start-up, so of every PS replacement). The workers' do (control)."""
     def maps(actor) -> str:
-        pid = ray.get(actor.ping.remote(), timeout=60)["pid"]
+        pid = ray.get(actor.ping.remote(), timeout=60).pid
         with open(f"/proc/{pid}/maps") as f:
             return f.read()
 

@@ -110,7 +110,7 @@ def straggler_run():
 def test_a_recovery_forgets_the_late_and_the_dead():
     """Recovery replaced every dead worker already: the next step must not
     replace (kill) them again."""
-    from dsgd.engine.backups import Stragglers
+    from dsgd.engine.stragglers import Stragglers
 
     stragglers = Stragglers(1)
     handle = object()
@@ -126,7 +126,7 @@ def test_a_worker_hung_under_backup_workers_is_a_step_timeout_naming_it():
     StepTimeoutError (a DsgdError and a TimeoutError) naming it and carrying
     its handle in `late`, as every step timeout does; a worker late for less
     is not named."""
-    from dsgd.engine.backups import Stragglers
+    from dsgd.engine.stragglers import Stragglers
 
     stragglers = Stragglers(1, step_timeout_s=0.05)
     hung, slow = object(), object()
@@ -317,7 +317,7 @@ def test_a_worker_killed_mid_run_costs_no_step_a_wait_for_its_replacement(tmp_pa
         # being replaced for it (ParameterServer.gone): a step's few meetings at most.
         import ray
 
-        pending = [ray.get(ps.ping.remote(), timeout=60)["pending"] for ps in sgd.ps_actors]
+        pending = [ray.get(ps.ping.remote(), timeout=60).pending for ps in sgd.ps_actors]
         assert max(pending) <= 4, (pending, len(stats))
     assert os.path.exists(marker)
     assert 2 in stats[-1]["contributors"]
@@ -475,7 +475,7 @@ def test_overlapped_steps_with_a_straggler_replay_exactly():
         stats = [sgd.step(fetch_stats=True) for _ in range(8)]
         weights = assert_replicas_identical(sgd)
         # (the overlapped path, two buckets on two PS: each settled by one contributor)
-        assert sgd.foreach_worker(lambda w: (w.overlap, w._exchange[0].choosing,
+        assert sgd.foreach_worker(lambda w: (w.plan.during_backward, w._exchange[0].choosing,
                                              w._buckets.ps_of_group)) == [(True, True, (0, 1))] * 3
     assert all(len(s["contributors"]) == 2 for s in stats)
     assert sum(2 in s["contributors"] for s in stats) <= 1
@@ -496,7 +496,7 @@ def test_overlapped_steps_with_a_dead_ps_average_the_contributors_parts_exactly(
 
     with make(straggler_creator(slow_s=0.6), overlap=True) as sgd:
         stats = [sgd.step(fetch_stats=True) for _ in range(3)]
-        pid = ray.get(sgd.ps_actors[1].ping.remote(), timeout=60)["pid"]
+        pid = ray.get(sgd.ps_actors[1].ping.remote(), timeout=60).pid
         sgd.foreach_worker(kill_ps_before_sending(1, pid))
         try:
             stats += [sgd.step(fetch_stats=True) for _ in range(3)]

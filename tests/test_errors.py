@@ -249,9 +249,9 @@ def test_draining_a_call_counts_it_and_reports_an_applied_nonfinite_step(caplog)
         applies_pending = True
 
         def finish(self):
-            return [StepResult([StepReport(finite=[True, True])], [{"apply_s": 0.0}], 1),
-                    StepResult([StepReport(finite=[True, False])], [{"apply_s": 0.0}], 1),
-                    StepResult([StepReport(finite=[False, False])], [{"apply_s": 0.0}], 1,
+            return [StepResult([StepReport(finite=[True, True])], [0.0], 1),
+                    StepResult([StepReport(finite=[True, False])], [0.0], 1),
+                    StepResult([StepReport(finite=[False, False])], [0.0], 1,
                                skipped=True)]
 
     caplog.set_level(logging.WARNING, logger="dsgd")
@@ -280,12 +280,12 @@ def test_nonfinite_in_train_stops_the_steps_queued_behind_it(faulty):
     sgd = faulty(nan_at=2)  # NaN at step 3: the 2nd call of 2 steps
     with pytest.raises(dsgd.NonFiniteError, match="step 3: non-finite gradient"):
         sgd.train(num_steps=8)
-    applied = ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"]
+    applied = ray.get(sgd.workers[0].ping.remote(), timeout=60).applied_steps
     assert sgd.steps_done == applied == 3
     sgd.set_weights([np.ones_like(w) * 0.1 for w in sgd.get_weights()])  # no NaN left
     summary = sgd.train(num_steps=5)
     assert summary["steps"] == 5 and sgd.steps_done == 8
-    assert ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"] == 8
+    assert ray.get(sgd.workers[0].ping.remote(), timeout=60).applied_steps == 8
     assert np.isfinite(summary["loss"])
 
 
@@ -299,7 +299,7 @@ def test_a_step_raising_in_a_call_of_several_counts_the_steps_before_it(faulty, 
     sgd = faulty(fail_at=fail_at)
     with pytest.raises(ValueError, match=f"no batch {fail_at}"):
         sgd.train(num_steps=8)
-    applied = ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"]
+    applied = ray.get(sgd.workers[0].ping.remote(), timeout=60).applied_steps
     assert sgd.steps_done == applied == fail_at
     assert sgd.train(num_steps=3)["steps"] == 3  # a new call runs again
-    assert ray.get(sgd.workers[0].ping.remote(), timeout=60)["applied_steps"] == fail_at + 3
+    assert ray.get(sgd.workers[0].ping.remote(), timeout=60).applied_steps == fail_at + 3

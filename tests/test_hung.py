@@ -27,7 +27,7 @@ TIMEOUT_S = 5.0
 
 
 def pid_of(handle) -> int:
-    return ray.get(handle.ping.remote(), timeout=60)["pid"]
+    return ray.get(handle.ping.remote(), timeout=60).pid
 
 
 def stop(pid: int) -> None:
@@ -116,7 +116,7 @@ class TestOneTrainer:
         trainer, before = fresh(shared_trainer)
         sgd = trainer.sgd
         trainer.train()
-        pid = ray.get(sgd.ps_actors[0].ping.remote(), timeout=60)["pid"]
+        pid = ray.get(sgd.ps_actors[0].ping.remote(), timeout=60).pid
         stop(pid)
         try:
             trainer.train()
@@ -125,7 +125,7 @@ class TestOneTrainer:
         failure = last_failure(sgd, before)
         assert sgd.steps_done == 8 and "call" not in failure and failure["step"] == 5
         assert failure["error"] == "StepTimeoutError" and "PS actor(s) 0 died" in failure["reason"]
-        assert ray.get(sgd.ps_actors[0].ping.remote(), timeout=60)["pid"] != pid
+        assert ray.get(sgd.ps_actors[0].ping.remote(), timeout=60).pid != pid
         assert_replicas_identical(trainer)
         assert_weights(trainer.get_model().get_weights(), trainer_ops.reference(2, 16)[1])
 
@@ -307,7 +307,7 @@ def test_restore_checkpoint_with_a_hung_worker_restores_every_replica(shared, tm
 @pytest.mark.slow
 def test_hung_ps_in_ps_info_is_replaced(shared):
     sgd = shared
-    pid = ray.get(sgd.ps_actors[0].ping.remote(), timeout=60)["pid"]
+    pid = ray.get(sgd.ps_actors[0].ping.remote(), timeout=60).pid
     stop(pid)
     try:
         assert len(sgd.ps_info) == 2
@@ -386,3 +386,40 @@ def test_checkpoint_written_while_a_worker_is_replaced_is_complete(shared, tmp_p
     sgd.restore_checkpoint(path)
     for got, expected in zip(assert_replicas_identical(sgd), want, strict=True):
         np.testing.assert_array_equal(got, expected)
+
+
+def test_a_deadline_names_what_it_waits_for_while_it_stalls_and_at_its_end(caplog):
+    """`waits.Deadline`, the one way the package blocks on refs: a stall report
+    every stall_s names the wait and only the owner still pending; the wait ends
+    at the deadline (not at the slow task's end), and `expired` names the late."""
+    import logging
+
+    from dsgd.comm.waits import Deadline
+    from dsgd.errors import StepTimeoutError
+
+    @ray.remote(num_cpus=0)
+    def sleep(s: float) -> float:
+        time.sleep(s)
+        return s
+
+    refs = [sleep.remote(0.0), sleep.remote(60.0)]
+    owners = ["the quick sleep", "the slow sleep"]
+    ray.get(refs[0], timeout=60)  # (its worker process started: answered at the first wait)
+    deadline = Deadline("two sleeps", 2.0, stall_s=0.5)
+    started = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="dsgd"):
+            pending = refs
+            while pending and not deadline.over():
+                _, pending = deadline.wait(refs, owners=owners)
+        waited = time.monotonic() - started
+        error = deadline.expired([owners[refs.index(r)] for r in pending])
+    finally:
+        ray.cancel(refs[1], force=True)
+    assert pending == [refs[1]] and 1.99 <= waited < 20.0, (pending, waited)
+    stalls = [r.getMessage() for r in caplog.records if r.getMessage().startswith("stall:")]
+    assert len(stalls) >= 2, stalls
+    assert all(s.startswith("stall: two sleeps: the slow sleep has not answered") and
+               "quick" not in s and "(1 answered)" in s for s in stalls), stalls
+    assert isinstance(error, StepTimeoutError) and error.late == ["the slow sleep"]
+    assert str(error) == "two sleeps: no answer after 2.0 s from the slow sleep"

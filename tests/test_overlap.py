@@ -118,10 +118,10 @@ def test_overlap_is_on_with_gpus_by_default_and_refuses_a_non_bool():
     def creator(w, d):
         return None
 
-    assert not Config(creator, 2, 1, gpu=False).overlaps
-    assert Config(creator, 2, 1, gpu=True).overlaps
-    assert Config(creator, 2, 1, gpu=False, overlap=True).overlaps
-    assert not Config(creator, 2, 1, gpu=True, overlap=False).overlaps
+    assert not Config(creator, 2, 1, gpu=False).during_backward
+    assert Config(creator, 2, 1, gpu=True).during_backward
+    assert Config(creator, 2, 1, gpu=False, overlap=True).during_backward
+    assert not Config(creator, 2, 1, gpu=True, overlap=False).during_backward
     with pytest.raises((TypeError, ValueError), match="overlap"):
         dsgd.DistributedSGD(creator, 2, 1, gpu=False, overlap="yes")
 
@@ -168,7 +168,7 @@ def test_applied_as_the_buckets_arrive_equals_single_process_training(shared, re
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=TOL, atol=TOL)
     # Sent from inside the step in 2 buckets; applied at once, or in two updates a step.
-    facts = sgd.foreach_worker(lambda w: (w.overlap, len(w._buckets.groups),
+    facts = sgd.foreach_worker(lambda w: (w.plan.during_backward, len(w._buckets.groups),
                                           len(w.replicas._sending_fns)))
     assert facts == [(True, 2, 1)] * 2
     want = {"whole": 0, "part": 2 * STEPS} if ready else {"whole": STEPS, "part": 0}
@@ -195,8 +195,9 @@ def test_applied_in_the_next_steps_call_equals_applied_before_it(shared):
     try:
         for mode in ("after backward", "before the next", "in the next"):
             reset()
-            sgd.foreach_worker(lambda w, m=mode: (setattr(w, "overlap", m != "after backward"),
-                                                  setattr(w, "defer_apply", m == "in the next")))
+            sgd._loop.replan(mode != "after backward", {"after backward": "now",
+                                                         "before the next": "in stages",
+                                                         "in the next": "in the next call"}[mode])
             before = sgd.foreach_worker(lambda w: w.deferred_applies)
             sgd.train(num_steps=steps, dataset=dsgd.Dataset(_rows(), batch_size=BATCH))
             after = sgd.foreach_worker(lambda w: w.deferred_applies)
@@ -205,7 +206,7 @@ def test_applied_in_the_next_steps_call_equals_applied_before_it(shared):
             got[mode] = sgd.get_weights() + [v.numpy() for v in sgd.foreach_model(
                 lambda m: m.optimizer.variables)[0]]
     finally:
-        sgd.foreach_worker(lambda w: (setattr(w, "overlap", True), setattr(w, "defer_apply", True)))
+        sgd._loop.replan(True)
     # (one call of `steps` steps: each step but the last applied in the next one's call)
     assert deferred == {"after backward": [0, 0], "before the next": [0, 0],
                         "in the next": [steps - 1] * 2}
@@ -369,7 +370,7 @@ def test_a_ps_dead_after_the_step_is_decided_the_workers_average_its_bucket(shar
     last = len(sgd.foreach_worker(lambda w: w._buckets.groups)[0]) - 1
     ps = sgd.foreach_worker(lambda w: w._buckets.ps_of_group[-1])[0]
     assert ps != 0  # (PS 0 gathers the metas: it must live for the step to be decided)
-    pid = ray.get(sgd.ps_actors[ps].ping.remote(), timeout=60)["pid"]
+    pid = ray.get(sgd.ps_actors[ps].ping.remote(), timeout=60).pid
     sgd.foreach_worker(kill_ps_before_sending(last, pid))
     deferred = sgd.foreach_worker(lambda w: w.deferred_applies)
     try:

@@ -67,7 +67,7 @@ def plan_facts(sgd) -> dict:
 
         plan, groups = w.replicas.plan, w._buckets.groups
         last = _last_group_of_variables(plan, groups)
-        return {"overlap": w.overlap, "groups": len(groups),
+        return {"overlap": w.plan.during_backward, "groups": len(groups),
                 "split_across_groups": any(
                     len({g for g, shards in enumerate(groups) for j, _ in plan.pieces_of(v)
                          if j in shards}) > 1 for v in range(len(plan.shapes))),

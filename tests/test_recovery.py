@@ -138,7 +138,7 @@ def assert_weights(sgd, expected):
 
 
 def pid_of(handle):
-    return ray.get(handle.ping.remote(), timeout=60)["pid"]
+    return ray.get(handle.ping.remote(), timeout=60).pid
 
 
 @pytest.fixture(scope="class")

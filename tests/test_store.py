@@ -58,7 +58,7 @@ def train_many_steps(sgd, baseline, kill_at=(), steps=STEPS, kept_per_worker_dea
     for i in range(steps - 10):
         if i in kill_at:
             victim = sgd.workers[1] if i == kill_at[0] else sgd.ps_actors[0]
-            os.kill(ray.get(victim.ping.remote(), timeout=60)["pid"], signal.SIGKILL)
+            os.kill(ray.get(victim.ping.remote(), timeout=60).pid, signal.SIGKILL)
         sgd.step()
         if i % 10 == 9:
             peak = max(peak, store_usage.usage()["num_objects"])

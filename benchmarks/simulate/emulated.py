@@ -673,11 +673,11 @@ def _models():
 def _record_step_times() -> None:
     """train()'s summary also carries every step's times (the engine keeps them
     driver side; only their median and means are returned)."""
-    from dsgd.engine import feeding
+    from dsgd.engine import training
 
-    if getattr(feeding.Tally.summary, "_with_step_times", False):
+    if getattr(training.Tally.summary, "_with_step_times", False):
         return
-    original = feeding.Tally.summary
+    original = training.Tally.summary
 
     def summary(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
@@ -685,7 +685,7 @@ def _record_step_times() -> None:
         return out
 
     summary._with_step_times = True
-    feeding.Tally.summary = summary
+    training.Tally.summary = summary
 
 
 def model_creator(model: dict):
@@ -740,7 +740,7 @@ def run_dsgd(cluster: EmulatedCluster, model: dict, steps: int, warmup: int, *,
         before, cpu_before = cluster.tc_bytes(), _cpu_times()
         summaries = [sgd.train(steps, desc="measured") for _ in range(rounds)]
         after, cpu_after = cluster.tc_bytes(), _cpu_times()
-        overlaps = sgd.config.overlaps
+        overlaps = sgd.config.during_backward
         shard_bytes = sgd.config.grad_shard_bytes
     finally:
         sgd.shutdown()

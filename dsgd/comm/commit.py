@@ -54,6 +54,11 @@ class Decision:
                                     # "raise": nothing applied, the run stops), EPOCH_END
     nonfinite: tuple = ()           # (worker slot, replica) of every non-finite gradient
 
+    @property
+    def applied(self) -> bool:
+        """Whether the step's means are applied."""
+        return self.action == APPLY
+
 
 def decide(metas: list[Meta], on_nonfinite: str) -> Decision:
     """The step's fate from every worker's meta (rank order). Raises ValueError

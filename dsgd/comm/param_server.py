@@ -27,6 +27,7 @@ import ray
 from dsgd import constants
 from dsgd.comm import store, timeline
 from dsgd.comm.means import mean_shard, split_group
+from dsgd.comm.reports import Ping
 from dsgd.comm.sharding import Shard
 from dsgd.errors import ExchangeAbandoned
 
@@ -90,11 +91,11 @@ class ParameterServer:
         """This PS's timeline events since the last call."""
         return timeline.recorder().drain()
 
-    def ping(self) -> dict:
+    def ping(self) -> Ping:
         """Liveness; runs after every call queued before it."""
         import os
 
-        return {"pid": os.getpid(), "pending": len(self._pending)}
+        return Ping(os.getpid(), pending=len(self._pending))
 
     def _means(self, shards, worker_groups, scale: float | None = None) -> tuple:
         """The group's means (or `scale`d sums) in this PS's scratch buffers, valid

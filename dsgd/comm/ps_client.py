@@ -32,7 +32,8 @@ import numpy as np
 
 from dsgd.comm import timeline
 from dsgd.comm.sharding import ExchangeLayout, to_wire
-from dsgd.comm.waits import actor_died_errors, dead_owners, fetch, outcomes, ready
+from dsgd.comm.waits import (Deadline, actor_died_errors, dead_owners, fetch, outcomes,
+                              ready)
 from dsgd.errors import StepTimeoutError
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ class PSClient:
         j's pieces in wire dtype (the worker's compiled step makes them so)."""
         return self._exchange(layout, pieces, self.next_seq(), scale, label)
 
-    def sending(self, layout: ExchangeLayout, seq: int, label: str) -> StepExchange:
+    def step_exchange(self, layout: ExchangeLayout, seq: int, label: str) -> StepExchange:
         """One engine step's exchange, numbered `seq`, sent group by group while the
         step is computed (`StepExchange`: send each group as soon as it exists, then
         the metas, then read the means as they arrive). `layout`'s groups are
@@ -188,14 +189,14 @@ class PSClient:
         whose death ends the wait (None: every peer)."""
         import ray
 
-        start = time.monotonic()
+        deadline = Deadline(f"{self.what} {label}", self.timeout_s)
         pending = list(refs)
         # One ping in flight per peer: a busy peer answers after its current call, a
         # dead one at once; an answered ping is sent again, so a peer that dies later
         # in the wait is found too.
         pings: dict = {}
         while pending:
-            _, pending = ready(pending, POLL_S)
+            _, pending = deadline.wait(pending, slice_s=POLL_S)
             if not pending:
                 break
             if self.peers is not None:
@@ -211,7 +212,7 @@ class PSClient:
                         except Exception:  # noqa: BLE001 - alive (its call failed): ask again
                             pass
                         del pings[r]
-            if time.monotonic() - start > self.timeout_s:
+            if deadline.over():
                 raise self._timeout(refs, owners, pending, seq, label, kind)
         try:
             return fetch(list(refs), f"{self.what} {label}", max(1.0, self.timeout_s))
@@ -235,7 +236,8 @@ class PSClient:
         missing: set[int] = set()
         if seq is not None:
             asked = {j: self.ps[j].missing_ranks.remote(kind, seq) for j in late_ps}
-            answered, _ = ready(list(asked.values()), POLL_S)
+            answered, _ = Deadline(f"{self.what} {label}: the missing ranks",
+                                   POLL_S).wait(list(asked.values()))
             for j, ref in asked.items():
                 if ref in answered:
                     absent = outcomes([ref], f"{self.names[j]}'s missing ranks")[0]
@@ -252,7 +254,7 @@ class PSClient:
 
 
 class StepExchange:
-    """One step of the overlapped exchange (`PSClient.sending`), in three parts:
+    """One step of the overlapped exchange (`PSClient.step_exchange`), in three parts:
 
     1. `send(g, part)` for each group, from any thread (the worker's compiled
        step calls it from TensorFlow's threads during the backward pass): puts
@@ -308,12 +310,19 @@ class StepExchange:
             tl.add(f"send group {g}" if part is not None else f"join group {g}", "send",
                    start, time.time(), ps=ps, exchange=self.seq & _STEP_BITS)
 
-    def send_rest(self) -> None:
+    def send_no_gradient(self) -> None:
         """Send every group not sent yet with no gradient (this worker's step
         ended early: an epoch's end or an error), so no PS waits for it."""
         for g, answer in enumerate(self.answers):
             if answer is None:
                 self.send(g, None)
+
+    def sit_out(self, chosen) -> None:
+        """(backup workers) This worker sits the step out: its contributors were
+        `chosen` (ranks) already. Sends no gradient (each PS drops a part, and
+        needs none)."""
+        self.chosen = tuple(chosen)
+        self.send_no_gradient()
 
     def metas(self, meta: Meta) -> list[Meta]:
         """Every worker's `meta` of this step, in rank order (PS 0 gathers them).
@@ -515,7 +524,7 @@ def collect_timeline_events(actors: Sequence, timeout_s: float) -> list[dict]:
     is left out, its events lost with it. Blocks, at most `timeout_s`."""
 
     refs = [timeline_events(a) for a in actors]
-    answered = ready(refs, timeout_s)[0]
+    answered = Deadline("timeline events", timeout_s).wait(refs)[0]
     events: list[dict] = []
     for answer in outcomes(answered, "timeline events", timeout_s):
         if not isinstance(answer, Exception):  # a dead actor's events are lost with it
@@ -530,7 +539,8 @@ def waiting(ps: Sequence, timeout_s: float) -> dict[int, set[int]]:
 
     refs = [p.waiting.remote() for p in ps if p is not None]
     missing: dict[int, set[int]] = {}
-    for answer in outcomes(ready(refs, timeout_s)[0], "the PS actors' waiting exchanges"):
+    what = "the PS actors' waiting exchanges"
+    for answer in outcomes(Deadline(what, timeout_s).wait(refs)[0], what):
         if isinstance(answer, Exception):  # a PS that cannot say is named by the timeout
             continue
         for seq, ranks in answer.items():

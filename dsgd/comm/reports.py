@@ -21,6 +21,15 @@ import dataclasses
 import numpy as np
 
 
+@dataclasses.dataclass(frozen=True)
+class Ping:
+    """A worker's or PS actor's answer to `ping` (it runs after every call queued
+    on that actor before it): liveness, and what the recovery reads."""
+    pid: int                          # the actor's process id
+    applied_steps: int | None = None  # (a worker) steps it has applied, a count
+    pending: int | None = None        # (a PS) exchanges it keeps parts of
+
+
 @dataclasses.dataclass
 class StepReport:
     """One worker's account of one step, sent to the driver (`Worker.local_steps`,

@@ -1,15 +1,18 @@
 """Waiting on remote work with a deadline, naming whoever is late.
 
-Every remote wait of the package is one of these (benchmarks/structure.py
-counts the others; the target is none that blocks):
-- `await_all` / `get_all` / `next_all`: a deadline on every answer of a set of
-  actors. While a wait is pending, a stall report naming the late owners is
-  logged every `stall_s` seconds; at the deadline `StepTimeoutError` names them
-  and carries them in its `late` attribute (the driver kills and replaces hung
-  actors from it).
-- `ready`: which of some refs are ready within at most `timeout_s` (0: now,
-  without blocking), for loops that decide themselves what to do with the rest
-  (they keep their own deadline and name the late themselves). Raises nothing.
+Every remote wait of the package that blocks is a `Deadline`'s `wait`
+(benchmarks/structure.py counts the others; the target is none):
+- `Deadline`: one wait's name (`what`), its end, and its stall reports. Its
+  `wait` blocks until refs are ready, at most until the next stall report or
+  the end; a stall report names `what` and the owners still pending (or the
+  wait's own `on_stall` says who is late); `expired` is the StepTimeoutError
+  naming them. Loops that decide themselves what to do with each answer (a
+  worker's PS exchange, the driver's backup step) call `wait` in their loop.
+- `await_all` / `get_all` / `next_all`: a `Deadline` on every answer of a set
+  of actors; at the end `StepTimeoutError` names the late owners and carries
+  them in its `late` attribute (the driver kills and replaces hung actors from
+  it).
+- `ready`: which of some refs are ready now, without blocking.
 - `fetch` / `outcomes`: the values of refs, with a deadline (`FETCH_S` for refs
   `ready` found ready); a timeout is a `StepTimeoutError` naming what was
   fetched.
@@ -38,19 +41,104 @@ def actor_died_errors() -> tuple:
 FETCH_S = 10.0
 
 
-def ready(refs: Sequence, timeout_s: float = 0.0, *, num_returns: int | None = None,
-          fetch_local: bool = True) -> tuple[list, list]:
-    """`(ready, pending)` of the ObjectRefs (or streaming generators) `refs`,
-    in their order, once `num_returns` of them (default: all) are ready or after
-    `timeout_s` seconds (0: at once, without blocking). Fetches nothing
-    (`fetch_local=False`: not even into this node's store) and raises nothing."""
+def ready(refs: Sequence, *, fetch_local: bool = True) -> tuple[list, list]:
+    """`(ready, pending)` of the ObjectRefs (or streaming generators) `refs`, in
+    their order, now: never blocks (a wait that blocks is a `Deadline`'s).
+    Fetches nothing (`fetch_local=False`: not even into this node's store) and
+    raises nothing."""
     import ray
 
     refs = list(refs)
     if not refs:
         return [], []
-    return ray.wait(refs, num_returns=len(refs) if num_returns is None else num_returns,
-                    timeout=max(0.0, timeout_s), fetch_local=fetch_local)
+    return ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=fetch_local)
+
+
+class Deadline:
+    """One remote wait, named: `what` is waited for, for at most `timeout_s`
+    seconds from now (or from `start`, a `time.monotonic()` value).
+
+    `wait` is the one way the package blocks on refs. While refs are pending,
+    a stall report is logged every `stall_s` seconds (None: never) naming `what`
+    and the owners still pending (`name_of` names an owner), or `on_stall(pending,
+    waited_s)` is called instead when given (a wait that knows better who is
+    late: the PS actors say which workers an exchange misses). `expired` is the
+    StepTimeoutError to raise at the end, naming the late."""
+
+    def __init__(self, what: str, timeout_s: float, *, stall_s: float | None = None,
+                 name_of: Callable = str, on_stall: Callable | None = None,
+                 start: float | None = None):
+        self.what = what
+        self.timeout_s = float(timeout_s)
+        self.stall_s = stall_s
+        self.name_of = name_of
+        self.on_stall = on_stall
+        self.start = time.monotonic() if start is None else start
+        self._reported = self.start
+
+    def waited(self) -> float:
+        """Seconds since the wait began."""
+        return time.monotonic() - self.start
+
+    def left(self) -> float:
+        """Seconds until the end (0 once it has passed)."""
+        return max(0.0, self.timeout_s - self.waited())
+
+    def over(self) -> bool:
+        """Whether the end has passed (within a millisecond)."""
+        return self.left() <= 0.001
+
+    def wait(self, refs: Sequence, *, num_returns: int | None = None,
+             owners: Sequence | None = None, slice_s: float | None = None,
+             fetch_local: bool = True) -> tuple[list, list]:
+        """`(ready, pending)` of `refs`, in their order, once `num_returns` of
+        them (default: all) are ready, or after at most `slice_s` seconds (a loop
+        that polls something else too), the time to the next stall report or the
+        end, whichever comes first. `owners[k]` produces `refs[k]` (named in the
+        stall report; default: the refs are counted, not named). Fetches nothing
+        and raises nothing: the caller raises `expired()` when `over()`."""
+        import ray
+
+        refs = list(refs)
+        if not refs:
+            return [], []
+        now = time.monotonic()
+        timeout = self.left()
+        if slice_s is not None:
+            timeout = min(timeout, slice_s)
+        if self.stall_s:
+            timeout = min(timeout, max(0.0, self._reported + self.stall_s - now))
+        done, pending = ray.wait(refs, num_returns=len(refs) if num_returns is None
+                                 else min(num_returns, len(refs)),
+                                 timeout=timeout, fetch_local=fetch_local)
+        now = time.monotonic()
+        if pending and self.stall_s and now - self._reported >= self.stall_s \
+                and not self.over():
+            self._reported = now
+            if self.on_stall is not None:
+                self.on_stall(pending, now - self.start)
+            else:
+                self._log_stall(refs, pending, owners)
+        return done, pending
+
+    def _log_stall(self, refs: list, pending: list, owners: Sequence | None) -> None:
+        if owners is None:
+            who = f"{len(pending)} of {len(refs)} answers have"
+        else:
+            late = _unique([owners[_index(refs, r)] for r in pending])
+            who = ", ".join(sorted(self.name_of(o) for o in late)) + \
+                (" has" if len(late) == 1 else " have")
+        logger.warning("stall: %s: %s not answered after %.0f s (%d answered); "
+                       "StepTimeoutError after %.0f s", self.what, who, self.waited(),
+                       len(refs) - len(pending), self.timeout_s)
+
+    def expired(self, late: Sequence = (), detail: str = "") -> StepTimeoutError:
+        """The StepTimeoutError of a wait that ended: `late` (owners) are named
+        and carried in its `late` attribute; `detail` is said after."""
+        late = _unique(list(late))
+        names = f" from {', '.join(sorted(self.name_of(o) for o in late))}" if late else ""
+        return StepTimeoutError(f"{self.what}: no answer after {self.timeout_s:.1f} s"
+                                f"{names}{detail}", late)
 
 
 def fetch(refs, what: str, timeout_s: float = FETCH_S):
@@ -93,28 +181,16 @@ def await_all(refs: Sequence, owners: Sequence, what: str, timeout_s: float, *,
     naming them, rather than when the others' calls time out."""
     import ray
 
+    deadline = Deadline(what, timeout_s, stall_s=stall_s, name_of=name_of)
     pending = list(refs)
-    start = time.monotonic()
     while pending:
         if answers is not None and len(pending) < len(refs):
             _peek(refs, owners, pending, answers, what, name_of)
-        left = timeout_s - (time.monotonic() - start)
-        if left <= 0:
-            late = _unique([owners[_index(refs, r)] for r in pending])
-            raise StepTimeoutError(
-                f"{what}: no answer after {timeout_s:.1f} s from "
-                f"{', '.join(sorted(name_of(o) for o in late))}. "
-                f"Cluster resources available now: {ray.available_resources()}", late)
-        _, pending = ray.wait(pending, num_returns=len(pending),
-                              timeout=min(left, stall_s or left))
-        waited = time.monotonic() - start
-        if pending and waited < timeout_s:
-            late = _unique([owners[_index(refs, r)] for r in pending])
-            logger.warning("stall: %s: %s ha%s not answered after %.0f s (%d answered); "
-                           "StepTimeoutError after %.0f s", what,
-                           ", ".join(sorted(name_of(o) for o in late)),
-                           "s" if len(late) == 1 else "ve", waited, len(refs) - len(pending),
-                           timeout_s)
+        if deadline.over():
+            raise deadline.expired([owners[_index(refs, r)] for r in pending],
+                                   f". Cluster resources available now: "
+                                   f"{ray.available_resources()}")
+        _, pending = deadline.wait(pending, owners=[owners[_index(refs, r)] for r in pending])
 
 
 def get_all(refs: Sequence, owners: Sequence, what: str, timeout_s: float, *,

@@ -112,7 +112,7 @@ class Dataset:
 
     def _feed(self, devices: int):
         """The driver-side feed for workers of `devices` replicas each (the
-        protocol of dsgd/engine/feeds.py)."""
+        protocol of dsgd/engine/datasets.py)."""
         from dsgd.data.feeds import RayDataFeed, StreamFeed
         from dsgd.data.stream import BlockStream
 

@@ -1,6 +1,6 @@
 """How a `dsgd.Dataset` feeds a `DistributedSGD`: a driver-side feed per kind
 of data, and the loader it sends to every worker. The engine drives feeds
-through the protocol described in dsgd/engine/feeds.py (without importing this
+through the protocol described in dsgd/engine/datasets.py (without importing this
 module); the worker calls `loader.batches(arg, num_devices)`, which returns
 (one batch per replica, rows in the worker's batch), or None at the end of an
 epoch.

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from dsgd.comm.waits import fetch, outcomes, ready
+from dsgd.comm.waits import Deadline, fetch, outcomes, ready
 from dsgd.data.batching import show_signature, signature, stack
 from dsgd.errors import DsgdError, StepTimeoutError
 
@@ -204,7 +204,7 @@ class BlockStream:
         if not self._pending:
             return
         counts = {refs[0]: block for block, refs in self._pending.items()}
-        done, rest = ready(list(counts), timeout_s, num_returns=1)
+        done, rest = Deadline("downloads", timeout_s).wait(list(counts), num_returns=1)
         if done and rest:
             done += ready(rest)[0]
         for ref in done:

@@ -15,6 +15,7 @@ import threading
 from dsgd import constants
 from dsgd.comm import waits
 from dsgd.comm.param_server import ParameterServer, ps_actor_class
+from dsgd.comm.reports import Ping
 from dsgd.errors import DsgdError, StepTimeoutError
 from dsgd.worker.worker import Worker
 
@@ -268,7 +269,7 @@ class ActorSet:
                               stall_s=self.stall_s)
 
     def probe(self, timeout_s: float, kill_hung: bool = False
-              ) -> tuple[dict[int, dict | None], list[int]]:
+              ) -> tuple[dict[int, Ping | None], list[int]]:
         """Ping every actor; a ping runs after the calls already queued on that
         actor, so a live one answers once its in-flight work has ended.
         Returns ({slot: ping info, or None if dead}, [dead PS indices]).
@@ -278,7 +279,8 @@ class ActorSet:
         died = waits.actor_died_errors()
         handles = self._workers + [p for p in self._ps if p is not None]
         refs = [h.ping.remote() for h in handles]
-        ready_ids = {r.hex() for r in waits.ready(refs, timeout_s)[0]}
+        ready_ids = {r.hex() for r in waits.Deadline("recovering: the actors' pings",
+                                                      timeout_s).wait(refs)[0]}
         answers = []
         for handle, ref in zip(handles, refs):
             if ref.hex() not in ready_ids:

@@ -25,6 +25,7 @@ from dsgd.engine.actors import ActorSet
 from dsgd.engine.resources import check_resources, check_store, wait_for_room
 from dsgd.engine.state import Topology
 from dsgd.errors import ModelMismatchError
+from dsgd.worker.records import Configured
 
 
 class Launcher:
@@ -121,8 +122,8 @@ def start(config: Config, actors: ActorSet) -> Topology:
         signature={k: infos[0][k] for k in SIGNATURE_KEYS if k in infos[0]}, layout=layout,
         # Apply each PS group's mean as it arrives where the optimizers allow it;
         # replacements run the same model_creator.
-        per_group_blocker=next((c["per_group_blocker"] for c in configured
-                                if c["per_group_blocker"]), None),
+        per_group_blocker=next((c.per_group_blocker for c in configured
+                                if c.per_group_blocker), None),
         warm_store_bytes=warm_bytes)
     ensure_ps(config, actors, topology)
     broadcast_state(config, actors)
@@ -205,7 +206,9 @@ def _set_up(config: Config, actors: ActorSet, slots: list[int]) -> list[dict]:
     return infos
 
 
-def _configure(config: Config, actors: ActorSet, slots: list[int], plan, warm_bytes: int) -> list:
+def _configure(config: Config, actors: ActorSet, slots: list[int], plan,
+               warm_bytes: int) -> list[Configured]:
+    """Compile the step of the workers of `slots`; returns their answers, in order."""
     handles = [actors.worker(s) for s in slots]
     return actors.wait([w.configure.remote(plan, config.on_nonfinite, warm_bytes)
                         for w in handles], handles, "compiling the step",

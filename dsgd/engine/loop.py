@@ -30,8 +30,8 @@ from dsgd.comm.ps_client import sequence_number
 from dsgd.comm.waits import actor_died_errors
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
-from dsgd.engine.backups import Stragglers
-from dsgd.engine.feeds import FeedEntry
+from dsgd.engine.stragglers import Stragglers
+from dsgd.engine.datasets import FeedEntry
 from dsgd.engine.failures import recovers_hang
 from dsgd.engine.recovery import Recovery
 from dsgd.engine.state import Progress, Topology
@@ -63,6 +63,9 @@ class StepLoop:
         self._joined_workers: list = []
         self._attempts = Attempts()
         self._joined = None
+        # The workers' step plan (StepPlan.make): buckets leave during the backward
+        # pass or after it; when the update runs (None: the default for the first).
+        self._plan: tuple[bool, str | None] = (config.during_backward, None)
 
     def run(self, entry: FeedEntry | None, count: int | None) -> Iterator[StepResult]:
         """`count` steps (None: until the caller stops, which then must not need
@@ -72,41 +75,41 @@ class StepLoop:
         on_nonfinite="raise"), DsgdError for a failure the policy does not
         recover from, and any error of a step."""
         run_id = next(self._run_ids)
-        done, pending = 0, None
+        done, in_flight = 0, None
         while count is None or done < count:
             ahead = None
-            if pending is not None:
+            if in_flight is not None:
                 # Submitted ahead: the driver's time since (the caller's code between
                 # steps, a PS replaced) does not count against its step_timeout_s.
-                pending.restart_clock()
+                in_flight.restart_clock()
             try:
-                if pending is None:
+                if in_flight is None:
                     self.recovery.maybe_grow()
                     if self._snapshot_due(entry):  # nothing in flight: the state is steps_done's
                         self._snapshot_at = time.monotonic()
                         self._take_snapshot(entry)
-                    pending = self._submit(entry, run_id, 0, count, done)
-                results = self._early_results(pending)
+                    in_flight = self._submit(entry, run_id, 0, count, done)
+                results = self._early_results(in_flight)
                 if results is None:
-                    if self._may_run_ahead(pending, count, done, entry):
-                        ahead = self._submit(entry, run_id, pending.size, count,
-                                             done + pending.size)
-                    results = pending.finish()
+                    if self._may_run_ahead(in_flight, count, done, entry):
+                        ahead = self._submit(entry, run_id, in_flight.size, count,
+                                             done + in_flight.size)
+                    results = in_flight.finish()
                     if ahead is not None and not ahead.exchanges:
                         ahead.started()
             except (*actor_died_errors(), StepTimeoutError) as e:
                 if isinstance(e, StepTimeoutError) and not recovers_hang(self.config.replace_hung,
                                                                          e.late):
-                    # Raised submitting the step after `pending` (under backup_workers: a
-                    # late worker hung, or late for an epoch's start): `pending`'s applies
+                    # Raised submitting the step after `in_flight` (under backup_workers: a
+                    # late worker hung, or late for an epoch's start): `in_flight`'s applies
                     # are on their way, counted as for any other error. (Raised by
-                    # `pending` itself, it has none left to wait for.)
-                    self._drain(pending, entry)
+                    # `in_flight` itself, it has none left to wait for.)
+                    self._drain(in_flight, entry)
                     raise
-                workers = len(pending.workers) if pending is not None else 0
-                membership = pending.membership() \
-                    if pending is not None and hasattr(pending, "membership") else {}
-                pending = ahead = None  # both went to actors that may be gone: redone
+                workers = len(in_flight.workers) if in_flight is not None else 0
+                membership = in_flight.membership() \
+                    if in_flight is not None and hasattr(in_flight, "membership") else {}
+                in_flight = ahead = None  # both went to actors that may be gone: redone
                 self._attempts.give_up(self.actors.ps)  # (WorkerSteps) the retry is a new one
                 run_id = next(self._run_ids)  # the survivors halted the old run
                 before = self.progress.steps_done
@@ -115,12 +118,12 @@ class StepLoop:
                 if not completed:
                     continue  # retry
                 # Applied before the failure: the mean of the contributors chosen.
-                results = [StepResult(None, [{"apply_s": 0.0}], workers, **membership)]
+                results = [StepResult(None, [0.0], workers, **membership)]
             except BaseException as e:
                 # shutdown() from another thread mid-step empties the actor lists under
                 # the step (an IndexError, a KeyError): the error to report is that.
                 if isinstance(e, Exception) and not isinstance(e, DsgdError):
-                    label = pending.label if pending is not None else "step"
+                    label = in_flight.label if in_flight is not None else "step"
                     try:
                         self.actors.check_open(label)
                     except DsgdError as closed:
@@ -128,26 +131,26 @@ class StepLoop:
                 # Not an actor failure (a non-finite gradient under "raise" before any
                 # apply, the next step's data failing, a step raising): what is on its
                 # way to be applied is waited for and counted.
-                self._drain(pending, entry)
+                self._drain(in_flight, entry)
                 self._drain(ahead, entry)
                 raise
-            pending = ahead
+            in_flight = ahead
             failure = None  # (WorkerSteps gave its attempt up: retries are a new one)
             if results and results[-1].failure is not None:
                 failure, results = results[-1].failure, results[:-1]
-            done += yield from self._counted(results, pending, entry)
+            done += yield from self._counted(results, in_flight, entry)
             if failure is not None:
                 # The workers stopped at a failed exchange, the steps before it counted:
                 # recover, then go on from the first step not applied everywhere.
-                pending = None  # its calls stop at once (the same run halted on the failure)
+                in_flight = None  # its calls stop at once (the same run halted on the failure)
                 run_id = next(self._run_ids)  # ... so the steps after the failure are a new run
                 done += yield from self._recovered_after(failure, entry)
 
-    def _counted(self, results: list[StepResult], pending, entry: FeedEntry | None
+    def _counted(self, results: list[StepResult], in_flight, entry: FeedEntry | None
                  ) -> Iterator[StepResult]:
         """Count and yield each of `results` (an epoch end is yielded, not
         counted). A step's error, a halted step and a non-finite step under
-        "raise" are raised once what `pending` has on its way is counted.
+        "raise" are raised once what `in_flight` has on its way is counted.
         Returns how many were counted."""
         counted = 0
         for result in results:
@@ -157,15 +160,15 @@ class StepLoop:
                 yield result
                 continue
             if result.error is not None:
-                self._drain(pending, entry)
+                self._drain(in_flight, entry)
                 raise result.error
             if result.halted:  # several workers, "raise": nothing of it was applied
-                self._drain(pending, entry)
+                self._drain(in_flight, entry)
                 raise self._nonfinite_error(self.progress.steps_done + 1,
                                             result.infos[0].nonfinite, applied=False)
             error = self._count(result, entry)
             if error is not None:  # one worker, "raise": the step was applied
-                self._drain(pending, entry)
+                self._drain(in_flight, entry)
                 raise error
             counted += 1
             yield result
@@ -191,7 +194,7 @@ class StepLoop:
                                                                      error.late):
             raise error
         if self.recovery.recover(error):
-            return [StepResult(None, [{"apply_s": 0.0}], workers)]
+            return [StepResult(None, [0.0], workers)]
         return []
 
     # -- the automatic snapshot ------------------------------------------------------------
@@ -261,10 +264,21 @@ class StepLoop:
             ps_client.enable_timeline(ps, True)
         self.actors.wait([w.join.remote(rank, workers, ps, names, self.topology.layout,
                                         self.config.step_timeout_s, self.config.on_nonfinite,
-                                        need, recording, self.config.overlaps)
+                                        need, recording, *self._plan)
                           for rank, w in enumerate(workers)], workers,
                          "joining the exchange", self.config.step_timeout_s)
         self._joined = key
+
+    def replan(self, during_backward: bool, update: str | None = None) -> None:
+        """Plan the workers' next steps anew (`StepPlan.make`: ValueError for a bad
+        `update`): every worker joins again before the next step, so a plan never
+        changes inside one. For tests and benchmarks that compare plans on one
+        instance; results are the same to float32 round-off."""
+        from dsgd.worker.exchange_session import checked_update
+
+        checked_update(during_backward, update)
+        self._plan = (during_backward, update)
+        self._joined = None
 
     def _ps_timeline(self) -> None:
         """timeline= on the driver-relayed exchange: have the PS actors record their
@@ -283,7 +297,7 @@ class StepLoop:
         number = self.progress.steps_done + offset + 1
         self.actors.check_open(f"step {number}")
         if self.stragglers.enabled:
-            # Late workers found dead, and replacements ready to join (dsgd/engine/backups.py).
+            # Late workers found dead, and replacements ready to join (dsgd/engine/stragglers.py).
             self.stragglers.free(self.actors.workers, self.actors.slots)
             self.recovery.replace_in_background(self.stragglers.take_dead())
             self.recovery.admit_joiners()
@@ -339,9 +353,9 @@ class StepLoop:
         return [(entry.key, arg) for arg in
                 entry.feed.step_args(len(workers), ahead, self.config.step_timeout_s)]
 
-    def _may_run_ahead(self, pending, count: int | None, done: int,
+    def _may_run_ahead(self, in_flight, count: int | None, done: int,
                        entry: FeedEntry | None) -> bool:
-        if count is not None and done + pending.size >= count:
+        if count is not None and done + in_flight.size >= count:
             return False
         if self._snapshot_due(entry):
             return False  # the snapshot waits for a moment with no step in flight
@@ -349,7 +363,7 @@ class StepLoop:
                 self.actors.num_workers + self.recovery.joining < self.config.num_workers:
             return False  # elastic: growing back needs a quiet moment
         # One worker would apply a step ahead by itself: only when it was asked for.
-        return count is not None or pending.exchanges
+        return count is not None or in_flight.exchanges
 
     def _early_results(self, step) -> list[StepResult] | None:
         """Several workers: the step's reports; a step that ends an epoch or is

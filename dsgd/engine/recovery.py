@@ -18,7 +18,7 @@ from dsgd.config import Config
 from dsgd.comm import waits
 from dsgd.comm.waits import actor_died_errors
 from dsgd.engine import failures, launch
-from dsgd.engine.backups import Stragglers
+from dsgd.engine.stragglers import Stragglers
 from dsgd.engine.resources import placeable_workers
 from dsgd.engine.state import Progress, first_line
 from dsgd.errors import DsgdError, StepTimeoutError
@@ -162,7 +162,7 @@ class Recovery:
         probed, dead_ps = self.actors.probe(self.config.step_timeout_s,
                                             kill_hung=self.config.replace_hung)
         workers = [failures.WorkerStatus(slot, info is not None,
-                                         None if info is None else info["applied_steps"])
+                                         None if info is None else info.applied_steps)
                    for slot, info in probed.items()]
         dead = [w.slot for w in workers if not w.alive]
         for slot in dead:  # frees its resources for the replacement

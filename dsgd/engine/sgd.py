@@ -19,10 +19,10 @@ from dsgd import constants
 from dsgd.comm import ps_client
 from dsgd.comm import timeline as timeline_file
 from dsgd.config import Config
-from dsgd.engine import checkpoints, feeding, launch
-from dsgd.engine.backups import Stragglers
+from dsgd.engine import checkpoints, launch, training
+from dsgd.engine.stragglers import Stragglers
 from dsgd.engine.calls import DriverCalls
-from dsgd.engine.feeds import Feeds
+from dsgd.engine.datasets import Feeds
 from dsgd.engine.loop import StepLoop
 from dsgd.engine.recovery import Recovery
 from dsgd.engine.resources import resolve_gpu
@@ -171,7 +171,7 @@ class DistributedSGD:
     The driver's state is made here and changed only by the engine's own
     objects: `config`, the actors and membership (dsgd/engine/actors.py), the
     topology and progress (dsgd/engine/state.py), the datasets' feeds
-    (dsgd/engine/feeds.py).
+    (dsgd/engine/datasets.py).
     """
 
     __slots__ = ("config", "on_workers_changed", "_actors", "_topology", "_progress",
@@ -357,7 +357,7 @@ class DistributedSGD:
         result = next(iter(self._loop.run(None, 1)))
         if not fetch_stats:
             return None
-        return feeding.step_stats(result, time.perf_counter() - start, self._progress,
+        return training.step_stats(result, time.perf_counter() - start, self._progress,
                                   self.config, sorted(self._actors.slots))
 
     def train(self, num_steps: int | None = None, dataset=None, *, desc: str = "train") -> dict:
@@ -383,7 +383,7 @@ class DistributedSGD:
                 `num_samples` (examples trained on), `skipped_steps`,
                 `train_s` (wall time, seconds), `step_s` (median seconds per
                 step), `samples_per_s`, `workers` (per-worker sums), and more
-                (see dsgd/engine/feeding.py `train`).
+                (see dsgd/engine/training.py `train`).
 
         Raises:
             ValueError: `num_steps` is not a positive int or None, or None
@@ -398,7 +398,7 @@ class DistributedSGD:
             for key in dropped:
                 self._calls.call_all("detach_data", key)
         if num_steps is None:
-            num_steps = feeding.epoch_steps(entry, self.config, self.num_workers, self.for_model)
+            num_steps = training.epoch_steps(entry, self.config, self.num_workers, self.for_model)
         elif isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) \
                 or num_steps < 1:
             raise ValueError(f"num_steps must be a positive int or None (one epoch), got "
@@ -407,7 +407,7 @@ class DistributedSGD:
             self._feeds.used(entry)
         rows = (f"{self.num_workers} worker(s) x batch_size={dataset.batch_size}"
                 if dataset is not None else "")
-        summary = feeding.train(self._loop, entry, num_steps, desc, rows)
+        summary = training.train(self._loop, entry, num_steps, desc, rows)
         if self.config.timeline is not None:
             self.write_timeline()
         return summary

@@ -16,17 +16,20 @@ Both turn what the workers report into `StepResult`s, one per step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from dsgd.comm import timeline
 from dsgd.comm.means import group_means
 from dsgd.comm.reports import StepRaised, StepReport, StepSummary
-from dsgd.comm.waits import actor_died_errors, fetch, ready
+from dsgd.comm.waits import Deadline, actor_died_errors, fetch, ready
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
-from dsgd.engine.backups import Stragglers
+from dsgd.engine.stragglers import Stragglers
 from dsgd.engine.state import Topology
 from dsgd.errors import DsgdError, StepTimeoutError
+
+logger = logging.getLogger("dsgd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +39,7 @@ class StepResult:
     infos: the contributors' reports (StepReport: losses, finite, metrics,
         samples, timings), in worker order (every worker's without backup workers);
         None for a step that had been applied when a failure interrupted it.
-    applied: each waited-for worker's apply report (`apply_s`, ...); [] at an
+    apply_s: each waited-for worker's seconds applying the step; [] at an
         epoch's end.
     workers: the workers the step's data was shared among (one batch each).
     skipped: not applied (a non-finite gradient under on_nonfinite="skip").
@@ -63,7 +66,7 @@ class StepResult:
     """
 
     infos: list[StepReport] | None
-    applied: list[dict]
+    apply_s: list[float]
     workers: int
     skipped: bool = False
     epoch_end: bool = False
@@ -91,7 +94,7 @@ class ExchangeStep:
     argument per worker (None: each replica's get_batch). With backup workers
     (`stragglers.enabled`) only the free workers compute, the step's mean is
     over the first `need` of them to report, and its applies go to every
-    worker, the late ones' owed (dsgd/engine/backups.py)."""
+    worker, the late ones' owed (dsgd/engine/stragglers.py)."""
 
     exchanges = True
     size = 1
@@ -175,20 +178,26 @@ class ExchangeStep:
         for k, stream in zip(self._running, self._streams):
             pending[id(stream)], streams[id(stream)] = k, stream
         arrived: dict[int, dict] = {}
+        deadline = Deadline(what, self.time_left(), stall_s=self.config.stall_report_s,
+                            on_stall=lambda _, waited_s: logger.warning(
+                                "stall: %s: %d of the %d workers the step needs answered "
+                                "after %.0f s; computing: %s", what, len(arrived), self.need,
+                                waited_s, ", ".join(sorted(self.actors.name(self.workers[k])
+                                                           for k in pending.values()))))
         while len(arrived) < self.need:
-            if len(arrived) + len(pending) < self.need and not self._recruit(pending, streams):
+            if len(arrived) + len(pending) < self.need and \
+                    not self._recruit(pending, streams, deadline):
                 raise self._dead_error()
             # A late worker that becomes free while the step still waits is given it too
             # (the first `need` reports still make the mean): a slow or hung worker of a
             # step with no spare does not set its pace when a late one can stand in.
-            self._recruit(pending, streams, wait=False)
+            self._recruit(pending, streams)
             busy = self.stragglers.busy_objects(self.workers)
             waiting = [streams[key] for key in pending]
-            answered = ready(waiting + busy, min(self.time_left(), self.config.stall_report_s),
-                             num_returns=1)[0]
+            answered = deadline.wait(waiting + busy, num_returns=1)[0]
             answered = [r for r in answered if id(r) in pending]
             if not answered:
-                if self.time_left() <= 0.001:
+                if deadline.over():
                     late = [self.workers[k] for k in pending.values()]
                     raise StepTimeoutError(
                         f"{what}: only {len(arrived)} of the {self.need} workers the step needs "
@@ -223,10 +232,10 @@ class ExchangeStep:
                                  count_rows=self.data[k] is None)
         self._infos = [arrived[k] for k in self._chosen]
 
-    def _recruit(self, pending: dict, streams: dict, wait: bool = True) -> bool:
-        """Give the step to late workers as they become free (with `wait`, waits
-        for one, at most what is left of the step's time). False when none was
-        given it (and, with `wait`, no worker is left to ask)."""
+    def _recruit(self, pending: dict, streams: dict, deadline: Deadline | None = None) -> bool:
+        """Give the step to late workers as they become free (with a `deadline`,
+        waits for one, at most until it ends). False when none was given it (and,
+        with a `deadline`, no worker is left to ask)."""
 
         while True:
             free = [k for k in self.stragglers.free(self.workers, self.slots)
@@ -240,9 +249,9 @@ class ExchangeStep:
                     pending[id(stream)], streams[id(stream)] = k, stream
                 return True
             busy = self.stragglers.busy_objects(self.workers)
-            if not wait or not busy or self.time_left() <= 0.001:
+            if deadline is None or not busy or deadline.over():
                 return False
-            ready(busy, self.time_left(), num_returns=1)
+            deadline.wait(busy, num_returns=1)
 
     def _dead_error(self) -> BaseException:
         """Too few workers left for the step: the death (recovered like any), or,
@@ -260,7 +269,7 @@ class ExchangeStep:
     def result(self, **flags) -> StepResult:
         """This step, ended before any apply (an epoch end, or a skipped step:
         the streams' shards are dropped)."""
-        applied = [] if flags.get("epoch_end") else [{"apply_s": 0.0}]
+        applied = [] if flags.get("epoch_end") else [0.0]
         return StepResult(self.reports(), applied, len(self.workers),
                           **self._membership(), **flags)
 
@@ -429,7 +438,7 @@ class LocalSteps:
             elif info.epoch_end:
                 results.append(StepResult([info], [], 1, epoch_end=True))
             else:
-                results.append(StepResult([info], [{"apply_s": 0.0, "step_s": step_s}], 1,
+                results.append(StepResult([info], [0.0], 1,
                                           skipped=not info.applied, step_s=step_s,
                                           **self._membership()))
         return results

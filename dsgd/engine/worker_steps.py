@@ -25,10 +25,10 @@ import time
 
 from dsgd.comm import ps_client, timeline
 from dsgd.comm.reports import CompactAnswer, StepFailed, StepRaised, StepReport
-from dsgd.comm.waits import actor_died_errors, fetch, outcomes, ready
+from dsgd.comm.waits import Deadline, actor_died_errors, fetch, outcomes, ready
 from dsgd.config import Config
 from dsgd.engine.actors import ActorSet
-from dsgd.engine.backups import Stragglers
+from dsgd.engine.stragglers import Stragglers
 from dsgd.engine.step import StepResult, record_call
 from dsgd.errors import DsgdError, StepTimeoutError
 
@@ -76,7 +76,7 @@ class WorkerSteps:
         self.label = (f"step {first_number}" if len(seqs) == 1
                       else f"steps {first_number}-{first_number + len(seqs) - 1}")
         self.workers = actors.workers
-        self.start = self._clock = time.perf_counter()
+        self.start, self._clock = time.perf_counter(), time.monotonic()
         self._refs: list | None = None
 
     @property
@@ -101,11 +101,11 @@ class WorkerSteps:
 
     def started(self) -> None:
         """Its steps begin now (the call before it has ended): restart both clocks."""
-        self.start = self._clock = time.perf_counter()
+        self.start, self._clock = time.perf_counter(), time.monotonic()
 
     def restart_clock(self) -> None:
         """The driver waits for this call from now on (see ExchangeStep.restart_clock)."""
-        self._clock = time.perf_counter()
+        self._clock = time.monotonic()
 
     @property
     def applies_pending(self) -> bool:
@@ -170,8 +170,7 @@ class WorkerSteps:
             rows = [reports[k][i] if k in reports else rebuilt.get((self.seqs[i], k))
                     for k in range(len(self.workers))]
             rows = [r for r in rows if r is not None]
-            applied = [{"apply_s": r.apply_s, "exchange_s": r.exchange_s,
-                        "step_s": step_s} for r in rows]
+            applied = [r.apply_s for r in rows]
             if decision == "halt":
                 results.append(StepResult(rows, applied, len(self.workers), halted=True))
                 return results
@@ -189,8 +188,7 @@ class WorkerSteps:
         worker 0's totals, each worker's figures on the last (O(1) per step)."""
         rows = compact[0].steps
         tallies = {k: out.tally for k, out in compact.items()}
-        return [StepResult(None, [{"apply_s": row.apply_s, "exchange_s": row.exchange_s,
-                                   "step_s": step_s}], len(self.workers),
+        return [StepResult(None, [row.apply_s], len(self.workers),
                            skipped=row.decision != "apply", step_s=step_s, summary=row,
                            tallies=tallies if i == len(rows) - 1 else None)
                 for i, row in enumerate(rows)]
@@ -235,14 +233,10 @@ class WorkerSteps:
         index = {ref.hex(): k for k, ref in enumerate(refs)}
         outcome: dict[int, object] = {}
         pending = list(refs)
-        deadline = self._clock + self.config.step_timeout_s * self.size + FAILURE_GRACE_S
+        deadline = self._deadline(index)
         answer = None
-        while pending and answer is None:
-            now = time.perf_counter()
-            if now >= deadline:
-                break
-            answered, pending = ready(pending, min(deadline - now, self.config.stall_report_s),
-                                      num_returns=1)
+        while pending and answer is None and not deadline.over():
+            answered, pending = deadline.wait(pending, num_returns=1)
             # each a report, a death or the worker's own error
             for ref, out in zip(answered, outcomes(answered, self.label,
                                                    self.config.step_timeout_s)):
@@ -256,7 +250,6 @@ class WorkerSteps:
                 break  # no reporter left to say what the steps were
             elif not answered:
                 self.actors.check_open(self.label)
-                self._stall_report(pending, index, time.perf_counter() - self._clock)
         if answer is None:
             self._partial = (outcome, pending)
             return None
@@ -311,7 +304,7 @@ class WorkerSteps:
         for decision, contributors, summary in best:
             dropped = [] if contributors is None else \
                 [s for s in range(self.config.num_workers) if s not in contributors]
-            results.append(StepResult(None, [{"apply_s": 0.0, "step_s": step_s}],
+            results.append(StepResult(None, [0.0],
                                       len(self.workers), skipped=decision != "apply",
                                       step_s=step_s, summary=summary, contributors=contributors,
                                       dropped=dropped))
@@ -369,8 +362,7 @@ class WorkerSteps:
                 share = row.samples // max(1, len(contributors))
                 dropped_rows = [(s, share) for s in dropped]
             results.append(StepResult(
-                None, [{"apply_s": row.apply_s, "exchange_s": row.exchange_s,
-                        "step_s": step_s}], workers, skipped=row.decision != "apply",
+                None, [row.apply_s], workers, skipped=row.decision != "apply",
                 step_s=step_s, summary=row, contributors=contributors, dropped=dropped,
                 dropped_rows=dropped_rows,
                 tallies=answer.tallies if i == len(rows) - 1 else None))
@@ -391,31 +383,34 @@ class WorkerSteps:
         outcome = dict(outcome or {})
         pending = list(refs) if pending is None else list(pending)
         # The workers' own waits end first (and name who did not arrive).
-        deadline = self._clock + self.config.step_timeout_s * self.size + FAILURE_GRACE_S
-        abandoned_at = None
-        if any(_failed(out) for out in outcome.values()):
-            if self.attempts.current == self.attempt:
-                self.attempts.give_up(self.actors.ps)
-            abandoned_at = time.perf_counter()
-        while pending:
-            now = time.perf_counter()
-            end = deadline if abandoned_at is None else min(deadline, abandoned_at + FAILURE_GRACE_S)
-            if now >= end:
+        grace = None  # after a failure: the others' answers, FAILURE_GRACE_S more at most
+        deadline = self._deadline(index, quiet=lambda: grace is not None)
+        while True:
+            if grace is None and any(_failed(out) for out in outcome.values()):
+                # Workers still waiting in this attempt's exchanges return now.
+                if self.attempts.current == self.attempt:
+                    self.attempts.give_up(self.actors.ps)
+                grace = Deadline(f"{self.label}: the others after a failure", FAILURE_GRACE_S)
+            if not pending or deadline.over() or (grace and grace.over()):
                 break
-            answered, pending = ready(pending, min(end - now, self.config.stall_report_s))
+            answered, pending = deadline.wait(pending, slice_s=grace and grace.left())
             # each a report, a death or the worker's own error (reported)
             for ref, out in zip(answered, outcomes(answered, self.label,
                                                    self.config.step_timeout_s)):
                 outcome[index[ref.hex()]] = out
-            if abandoned_at is None and any(_failed(out) for out in outcome.values()):
-                # Workers still waiting in this attempt's exchanges return now.
-                if self.attempts.current == self.attempt:
-                    self.attempts.give_up(self.actors.ps)
-                abandoned_at = time.perf_counter()
-            if pending and abandoned_at is None:
+            if pending and grace is None:
                 self.actors.check_open(self.label)
-                self._stall_report(pending, index, time.perf_counter() - self._clock)
         return outcome, sorted(index[ref.hex()] for ref in pending)
+
+    def _deadline(self, index: dict, quiet=lambda: False) -> Deadline:
+        """The driver's wait for this call's answers (`index`: ref hex -> worker
+        position): the workers' own waits end first, so step_timeout_s per step
+        and FAILURE_GRACE_S more; a stall report every stall_report_s names whom
+        the others wait for (none while `quiet()`)."""
+        return Deadline(self.label, self.config.step_timeout_s * self.size + FAILURE_GRACE_S,
+                        stall_s=self.config.stall_report_s, start=self._clock,
+                        on_stall=lambda pending, waited_s: quiet() or self._stall_report(
+                            pending, index, waited_s))
 
     def _stall_report(self, pending: list, index: dict, waited_s: float) -> None:
         """Log which workers the others wait for in the exchange (the PS actors know),

@@ -59,7 +59,7 @@ class Keyed(dsgd.Model):
 
 def kill(handle) -> int:
 
-    pid = fetch(handle.ping.remote(), "the worker's pid", 60)["pid"]
+    pid = fetch(handle.ping.remote(), "the worker's pid", 60).pid
     os.kill(pid, signal.SIGKILL)
     return pid
 

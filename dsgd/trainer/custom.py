@@ -23,26 +23,57 @@ did not arrive, so that the driver replaces them and runs the epoch again.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dsgd.errors import NonFiniteError
+from dsgd.worker.records import FullState
+
+if TYPE_CHECKING:
+    from dsgd.comm.sharding import ExchangeLayout
+    from dsgd.trainer.sources import OwnSource, RaySplitSource, RowsSource
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochContext:
+    """What one worker needs for its part of a custom epoch (the Trainer's
+    `_train_custom` -> `custom_train_epoch`): its place among the workers, the
+    exchange's actors and layout, and its batches."""
+    rank: int                # this worker's position among `peers`
+    world: int               # workers in the epoch
+    peers: list              # every worker's actor handle, in rank order
+    ps: list                 # the PS actor handles, in PS order
+    layout: ExchangeLayout   # how the gradient's shards are grouped among the PS actors
+    timeout_s: float         # the longest wait for one step's mean, in seconds
+    seq_base: int            # the first exchange sequence number of this epoch's run
+    source: RowsSource | RaySplitSource | OwnSource  # this worker's batches
+    timeline: bool = False   # record each train_step's spans (dsgd/comm/timeline.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochOutcome:
+    """One worker's custom epoch, back to the Trainer (`custom_train_epoch`)."""
+    result: dict      # what the operator's train_epoch returned (name -> number)
+    steps: int        # train_step calls (one batch each)
+    num_samples: int  # rows in this worker's batches
 
 
 class CustomSteps:
     """`TrainingOperator.train_step` inside a custom `train_epoch` (one per call)."""
 
-    def __init__(self, worker, ctx: dict):
+    def __init__(self, worker, ctx: EpochContext, epoch: int | None = None):
         from dsgd.comm.ps_client import PSClient
 
         self.worker, self.replicas = worker, worker.replicas
-        self.world, self.layout = ctx["world"], ctx["layout"]
-        self.client = PSClient(ctx["ps"], [f"PS {j}" for j in range(len(ctx["ps"]))],
-                               ctx["rank"], ctx["world"], ctx["timeout_s"],
-                               "custom train_epoch", seq_base=ctx["seq_base"], peers=ctx["peers"])
+        self.world, self.layout = ctx.world, ctx.layout
+        self.client = PSClient(ctx.ps, [f"PS {j}" for j in range(len(ctx.ps))],
+                               ctx.rank, ctx.world, ctx.timeout_s,
+                               "custom train_epoch", seq_base=ctx.seq_base, peers=ctx.peers)
         self.steps = self.samples = 0
-        self.epoch = ctx.get("epoch")
+        self.epoch = epoch
 
     def step(self, batch) -> dict:
         """One step of every worker on this worker's `batch` (split among its
@@ -106,24 +137,24 @@ def _all_finite(means: list) -> bool:
     return all(np.isfinite(a).all() for a in means if np.issubdtype(a.dtype, np.floating))
 
 
-def custom_train_epoch(worker, ctx: dict, state: dict, epoch: int, info: dict | None) -> dict:
+def custom_train_epoch(worker, ctx: EpochContext, state: FullState, epoch: int,
+                       info: dict | None) -> EpochOutcome:
     """(worker side, via Worker.run) Load the epoch's starting state, then run
-    replica 0's operator's `train_epoch` over this worker's batches (`ctx["source"]`).
-    Returns {"result": what train_epoch returned, "steps", "num_samples"}."""
+    replica 0's operator's `train_epoch` over this worker's batches (`ctx.source`)."""
     worker.set_full_state(state)
-    worker.use_timeline(ctx.get("timeline", False))  # (timeline=: each train_step's spans)
+    worker.use_timeline(ctx.timeline)  # (timeline=: each train_step's spans)
     operator = worker.models()[0].operator
-    steps = CustomSteps(worker, {**ctx, "epoch": epoch})
+    steps = CustomSteps(worker, ctx, epoch)
     operator._stepper = steps
     try:
-        result = operator.train_epoch(batches(ctx["source"], worker),
+        result = operator.train_epoch(batches(ctx.source, worker),
                                       {"epoch": epoch, **(info or {})})
     finally:
         operator._stepper = None
     if not isinstance(result, dict):
         raise ValueError(f"{type(operator).__name__}.train_epoch must return a dict of numbers, "
                          f"got {type(result).__name__}")
-    return {"result": result, "steps": steps.steps, "num_samples": steps.samples}
+    return EpochOutcome(result=result, steps=steps.steps, num_samples=steps.samples)
 
 
 def custom_validate(worker, source: tuple, num_steps: int | None, info: dict | None) -> dict:

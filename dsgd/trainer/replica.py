@@ -10,6 +10,8 @@ worker's share of the validation data to its replicas' compiled
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from dsgd.comm.waits import fetch
@@ -252,12 +254,22 @@ def _shard(data, rank: int, world: int):
     return None
 
 
-def validate_share(worker, source, num_steps: int | None, info: dict | None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class ValidationTally:
+    """One worker's validation of its share (`validate_share`), back to the Trainer."""
+    num_samples: int     # rows validated
+    batch_count: int     # worker batches (tf.data shards: every replica's batches)
+    sums: dict           # name -> sum over batches of value x rows
+    last: dict           # name -> the last batch's value
+    metric_states: list  # each registered metric's variables, summed over the replicas
+
+
+def validate_share(worker, source, num_steps: int | None,
+                   info: dict | None) -> ValidationTally:
     """(worker side, via Worker.run) Validate this worker's share: `source` is a
     `RowsSource` (a dsgd.Dataset), a `RaySplitSource` or an `OwnSource` (each
     replica's tf.data shard; dsgd/trainer/sources.py). A worker batch is split
-    among the replicas. Returns sums over samples, batch count,
-    the last batch's values and the replicas' summed metric states."""
+    among the replicas."""
     from dsgd.data.batching import num_rows
 
     replicas = worker.models()
@@ -291,9 +303,10 @@ def validate_share(worker, source, num_steps: int | None, info: dict | None) -> 
                 run(replica, part)
             tally["batch_count"] += 1
     states = [r.metric_states() for r in replicas]
-    tally["metric_states"] = [[sum(s[m][v] for s in states) for v in range(len(states[0][m]))]
-                              for m in range(len(states[0]))]
-    return tally
+    summed = [[sum(s[m][v] for s in states) for v in range(len(states[0][m]))]
+              for m in range(len(states[0]))]
+    return ValidationTally(num_samples=tally["num_samples"], batch_count=tally["batch_count"],
+                           sums=tally["sums"], last=tally["last"], metric_states=summed)
 
 
 def worker_batches(source):

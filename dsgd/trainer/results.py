@@ -5,6 +5,11 @@ only). Pure functions over the engine's and the workers' tallies."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dsgd.trainer.replica import ValidationTally
+
 # Keys of the engine's per-step tally that are not train_batch metrics.
 _ENGINE_KEYS = ("loss", "train_loss")
 # Counts that add up over workers (backup workers: batches and rows left out of the means).
@@ -19,8 +24,12 @@ def _is_lr(key: str) -> bool:
 def worker_means(worker: dict) -> dict[str, float]:
     """A worker's sample-weighted means of its per-batch values (batches counted
     as one sample each when they report no samples, as the engine then weighs them)."""
-    samples = worker["num_samples"] or max(worker["batch_count"], 1)
-    return {k: v / samples for k, v in worker["sums"].items()}
+    return _means(worker["sums"], worker["num_samples"], worker["batch_count"])
+
+
+def _means(sums: dict, num_samples: int, batch_count: int) -> dict[str, float]:
+    samples = num_samples or max(batch_count, 1)
+    return {k: v / samples for k, v in sums.items()}
 
 
 def train_results(summary: dict, epoch: int, reduce_results: bool, profile: bool):
@@ -46,15 +55,15 @@ def train_results(summary: dict, epoch: int, reduce_results: bool, profile: bool
     return dict(reduce(per_worker, epoch), **extra)
 
 
-def validation_results(tallies: list[dict], metric_results: dict, reduce_results: bool,
+def validation_results(tallies: list[ValidationTally], metric_results: dict, reduce_results: bool,
                        elapsed_s: float, profile: bool):
     """Trainer.validate's result from every worker's `validate_share` tally and
     the registered metrics' results over the summed states."""
     per_worker = []
     for tally in tallies:
-        row = {"batch_count": tally["batch_count"], "num_samples": tally["num_samples"]}
-        row.update(worker_means(tally))
-        row.update({f"last_{k}": v for k, v in tally["last"].items()})
+        row = {"batch_count": tally.batch_count, "num_samples": tally.num_samples}
+        row.update(_means(tally.sums, tally.num_samples, tally.batch_count))
+        row.update({f"last_{k}": v for k, v in tally.last.items()})
         per_worker.append(row)
     extra = {"validation_s": elapsed_s} if profile else {}
     if not reduce_results:

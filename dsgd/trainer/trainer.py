@@ -26,7 +26,7 @@ from dsgd.data.feeds import RowSpans
 from dsgd.engine.resources import resolve_gpu
 from dsgd.engine.sgd import DistributedSGD
 from dsgd.trainer import results
-from dsgd.trainer.custom import custom_train_epoch, custom_validate
+from dsgd.trainer.custom import EpochContext, custom_train_epoch, custom_validate
 from dsgd.trainer.operator import BATCH_SIZE, TrainingOperator
 from dsgd.trainer.replica import validate_share
 from dsgd.trainer.schedules import STEP_FREQS
@@ -267,7 +267,7 @@ class Trainer:
         tallies = self.sgd.run_on_workers(
             validate_share, self._validation_sources, num_steps, info, what="validating",
             timeout_s=constants.VALIDATION_TIMEOUT_STEPS * self.sgd.step_timeout_s)
-        states = sum_states([t["metric_states"] for t in tallies])
+        states = sum_states([t.metric_states for t in tallies])
         metrics = self.sgd.for_model(lambda m: m.metric_results(states)) if states else {}
         result = results.validation_results(tallies, metrics, reduce_results,
                                             time.perf_counter() - start, profile)
@@ -297,10 +297,10 @@ class Trainer:
             recording = self.sgd.config.timeline is not None
             if recording:  # (the PS actors record their sums too)
                 ps_client.enable_timeline(self.sgd.ps_actors, True)
-            return [{"rank": r, "world": len(workers), "peers": workers,
-                     "ps": self.sgd.ps_actors, "layout": self.sgd.exchange_layout,
-                     "timeout_s": self.sgd.step_timeout_s, "seq_base": base, "source": source,
-                     "timeline": recording}
+            return [EpochContext(rank=r, world=len(workers), peers=workers,
+                                 ps=self.sgd.ps_actors, layout=self.sgd.exchange_layout,
+                                 timeout_s=self.sgd.step_timeout_s, seq_base=base,
+                                 source=source, timeline=recording)
                     for r, source in enumerate(sources)]
 
         outs = self.sgd.run_on_workers(
@@ -310,8 +310,8 @@ class Trainer:
             self.sgd.write_timeline()  # (as train() does after each call)
         rows = []
         for out in outs:
-            row = {"epoch": epoch, "num_samples": out["num_samples"], "batch_count": out["steps"]}
-            row.update(out["result"])
+            row = {"epoch": epoch, "num_samples": out.num_samples, "batch_count": out.steps}
+            row.update(out.result)
             rows.append(row)
         extra = {"train_epoch_s": time.perf_counter() - start} if profile else {}
         reduced = results.reduce(rows, epoch)

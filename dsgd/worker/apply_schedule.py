@@ -10,8 +10,6 @@ import os
 import time
 from typing import Any
 
-from dsgd import constants
-from dsgd.comm import timeline
 
 
 @dataclasses.dataclass
@@ -21,7 +19,7 @@ class _Deferred:
     the first layers then overlaps the update of the others. Kept only within
     one exchange_steps call (flushed at its end, so that weights read between
     calls are the applied step's)."""
-    sending: Any            # the step's StepExchange (its means are released once applied)
+    exchange: Any           # the step's StepExchange (its means are released once applied)
     shards: list            # the mean of every shard, by shard index (read-only views)
     step: int               # the timeline's step number
 
@@ -32,16 +30,10 @@ class ApplySchedule:
     its weights would be neither the step's nor the last."""
 
     def _init_apply_schedule(self) -> None:
-        # Apply the buckets in at the decision before the rest only when the rest is at
-        # least this share of the gradient's bytes (constants.APPLY_SPLIT_MIN_PENDING).
-        self.split_apply_min_share = constants.APPLY_SPLIT_MIN_PENDING
-        # Overlapped steps: apply a decided step's means inside the next step's compiled
-        # call when one follows in the same exchange_steps call (`_Deferred`).
-        self.defer_apply = True
         self.deferred_applies = 0  # steps applied so, in all
         self._deferred: _Deferred | None = None
 
-    def _apply_arriving(self, sending, buckets) -> float:
+    def _apply_arriving(self, exchange, buckets) -> float:
         """Apply the step's means as they arrive, in the order the backward pass
         made the buckets (bucket 0, the last layers', first): the buckets
         already in when the step is decided in one update, while the PS actors
@@ -51,25 +43,25 @@ class ApplySchedule:
         be applied in parts (`per_group_blocker`). A worker that cannot finish
         a step it has begun to apply exits: its weights would be neither the
         step's nor the last (the driver recovers it like any dead worker).
-        When another step follows in this exchange_steps call (and
-        `defer_apply`), the means are only read: the step is applied, whole, in
+        When another step follows in this exchange_steps call (and the plan's
+        update runs "in the next call"), the means are only read: the step is applied, whole, in
         the next step's compiled call, beside its forward pass (`_Deferred`).
         Returns the seconds spent applying here."""
         from dsgd.comm import timeline
 
         tl = timeline.recorder()
-        step = sending.seq & ((1 << 32) - 1)
+        step = exchange.seq & ((1 << 32) - 1)
         count = len(buckets.groups)
-        if self.plan.may_defer and self.defer_apply and self._next_in_call \
+        if self.plan.update == "in the next call" and self._next_in_call \
                 and not self.replicas.eager:
-            means = self._read_means(sending, buckets, tuple(range(count)))
-            self._deferred = _Deferred(sending, [means[j] for j in range(len(means))], step)
+            means = self._read_means(exchange, buckets, tuple(range(count)))
+            self._deferred = _Deferred(exchange, [means[j] for j in range(len(means))], step)
             return 0.0  # (counted in applied_steps once applied: `_deferred_applied`)
         stages = [tuple(range(count))]  # one update of everything, unless:
-        if self.plan.may_stage and self.replicas.per_group_blocker is None:
-            ready = sending.ready_prefix()
+        if self.plan.update != "now" and self.replicas.per_group_blocker is None:
+            ready = exchange.ready_prefix()
             nbytes = [sum(self.replicas.plan.shards[j].nbytes for j in g) for g in buckets.groups]
-            if 0 < ready and sum(nbytes[ready:]) >= self.split_apply_min_share * sum(nbytes):
+            if 0 < ready and sum(nbytes[ready:]) >= self.plan.split_min_share * sum(nbytes):
                 # (two updates: more cost more than they hide, measured: benchmarks/README.md)
                 stages = [tuple(range(ready)), tuple(range(ready, count))]
         groups = tuple(tuple(j for b in stage for j in buckets.groups[b]) for stage in stages)
@@ -77,7 +69,7 @@ class ApplySchedule:
         apply_s, begun = 0.0, False
         try:
             for k, stage in enumerate(stages):
-                means.update(self._read_means(sending, buckets, stage))
+                means.update(self._read_means(exchange, buckets, stage))
                 arrived = time.perf_counter()
                 if len(stages) == 1:
                     self.replicas.apply([means[j] for j in range(self.replicas.plan.num_shards)])
@@ -96,20 +88,20 @@ class ApplySchedule:
         self.applied_steps += 1
         return apply_s
 
-    def _read_means(self, sending, buckets, stage) -> dict:
+    def _read_means(self, exchange, buckets, stage) -> dict:
         """{shard index: mean} of the buckets in `stage`, read in parallel
         (StepExchange.read), then each from there; the timeline's receive spans (the
         stage's first bucket's holds the parallel read). Blocks (StepExchange.read)."""
         from dsgd.comm import timeline
 
         tl = timeline.recorder()
-        step = sending.seq & ((1 << 32) - 1)
+        step = exchange.seq & ((1 << 32) - 1)
         means: dict = {}
         reading = time.perf_counter()
-        sending.read(stage)
+        exchange.read(stage)
         for b in stage:
             waited = reading if b == stage[0] else time.perf_counter()
-            means.update(zip(buckets.groups[b], sending.mean(b)))
+            means.update(zip(buckets.groups[b], exchange.mean(b)))
             if tl.on:
                 to_wall = tl.to_wall
                 tl.add(f"receive group {b}", "receive", waited + to_wall,
@@ -125,7 +117,7 @@ class ApplySchedule:
         self._deferred = None
         self.applied_steps += 1
         self.deferred_applies += 1
-        deferred.sending.release_means()
+        deferred.exchange.release_means()
         tl = timeline.recorder()
         if tl.on and self.replicas.applied_at is not None:
             to_wall = tl.to_wall
@@ -147,7 +139,7 @@ class ApplySchedule:
         try:
             self.replicas.apply(deferred.shards)
         finally:
-            deferred.sending.release_means()
+            deferred.exchange.release_means()
         self.applied_steps += 1
         tl = timeline.recorder()
         if tl.on:

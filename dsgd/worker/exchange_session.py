@@ -12,8 +12,24 @@ import time
 
 import ray
 
+from dsgd import constants
 from dsgd.comm.reports import CompactAnswer, StepFailed, StepReport
 from dsgd.errors import picklable_error
+
+
+# When a decided step's update runs (StepPlan.update).
+UPDATES = ("now", "in stages", "in the next call")
+
+
+def checked_update(during_backward: bool, update: str | None) -> str:
+    """`update`, or its default (None: "in the next call" when the buckets leave
+    during the backward pass, else "now"; the defaults measured best:
+    benchmarks/README.md); a ValueError names a bad one."""
+    update = update or ("in the next call" if during_backward else "now")
+    if update not in UPDATES or (update != "now" and not during_backward):
+        raise ValueError(f"update must be one of {UPDATES} (other than \"now\" only when the "
+                         f"buckets leave during the backward pass), got {update!r}")
+    return update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +44,23 @@ class StepPlan:
     buckets: object          # ExchangeLayout: the groups that leave, each to its PS
     during_backward: bool    # buckets leave during the backward pass (else after it)
     chosen: bool             # backup workers: PS 0 chooses each step's contributors
-    may_stage: bool          # the update may run in two stages as the means arrive
-    may_defer: bool          # ... or, whole, inside the next step's compiled call
+    # When the update runs (dsgd/worker/apply_schedule.py): "now", whole, once every
+    # mean is in; "in stages": the buckets in at the decision first when at least
+    # `split_min_share` of the gradient's bytes is still pending, the rest once in;
+    # "in the next call": whole, inside the next step's compiled call when another
+    # step follows in the same exchange_steps call (else in stages).
+    update: str
+    split_min_share: float = constants.APPLY_SPLIT_MIN_PENDING
+
+    @classmethod
+    def make(cls, layout, during_backward: bool, chosen: bool, update: str | None):
+        """The plan of `join` (`update`: see `checked_update`)."""
+        from dsgd.comm.sharding import bucket_layout
+
+        update = checked_update(during_backward, update)
+        buckets = bucket_layout(layout, constants.BUCKET_MIN_BYTES) if during_backward \
+            else layout
+        return cls(buckets, during_backward, chosen, update)
 
 
 class ExchangeSession:
@@ -42,54 +73,38 @@ class ExchangeSession:
         self._dead_ps: list[int] = []  # PS actors found dead by a fallback: replaced next
         self._late = False  # backup workers: dropped from the last step (exchange_steps)
         self._recent_metas: dict = {}  # exchange number -> every worker's meta (recent steps)
-        self._sendings: dict = {}  # exchange number -> its StepExchange (this step's; the last's until
+        self._step_exchanges: dict = {}  # exchange number -> its StepExchange (this step's; the last's until
         # every worker has applied it)
         self.buckets_averaged_here = 0  # buckets this worker averaged itself (their PS died)
-        self._next_in_call = False  # _run_exchange_steps: another step follows this one
+        self._next_in_call = False  # _run_steps: another step follows this one
         self._metas_kept = 0  # exchange_steps: how many of them to keep at least
 
     def join(self, rank: int, peers: list, ps: list, ps_names: list[str], layout,
              timeout_s: float, on_nonfinite: str, need: int | None = None,
-             timeline_on: bool = False, overlap: bool = False) -> None:
+             timeline_on: bool = False, during_backward: bool = False,
+             update: str | None = None) -> None:
         """Take part in the worker-driven exchange (`exchange_steps`) as worker
         `rank` of `peers` (every worker's handle, in rank order) through the PS
-        actors `ps` laid out as `layout`. `need` (backup workers): each step's
-        mean is over the first `need` workers to have their gradient (default:
-        all). `timeline_on`: record this worker's steps for the timeline
-        (dsgd/comm/timeline.py). `overlap`: send the gradient during the
-        backward pass (`StepPlan`). The driver
-        calls it after start-up and after every change of workers or PS actors.
-        Without `overlap` the buckets are `layout`'s groups (one message per PS
+        actors `ps` laid out as `layout`, with the steps planned from
+        `during_backward` and `update` (`StepPlan.make`; the plan holds until
+        the next `join`). `need` (backup workers): each step's mean is over the
+        first `need` workers to have their gradient (default: all).
+        `timeline_on`: record this worker's steps for the timeline
+        (dsgd/comm/timeline.py). The driver calls it after start-up, after every
+        change of workers or PS actors, and after `StepLoop.replan`. Without
+        `during_backward` the buckets are `layout`'s groups (one message per PS
         group, sent once the gradient is computed) and the update runs at once."""
         from dsgd.comm import timeline
         from dsgd.comm.ps_client import PSClient
 
         timeline.enable(f"worker {self.worker_index}", timeline_on)
-        self._exchange = (PSClient(ps, ps_names, rank, len(peers), timeout_s,
-                                   f"worker {self.worker_index}", peers=peers, need=need),
-                          layout, on_nonfinite)
-        self.overlap = overlap
-        self._sendings.clear()
+        client = PSClient(ps, ps_names, rank, len(peers), timeout_s,
+                          f"worker {self.worker_index}", peers=peers, need=need)
+        self.plan = StepPlan.make(layout, during_backward, client.choosing, update)
+        self._exchange = (client, layout, on_nonfinite)
+        self._step_exchanges.clear()
         self._dead_ps = []
         self._late = False
-
-    @property
-    def overlap(self) -> bool:
-        """Whether the plan's buckets leave during the backward pass (`join`)."""
-        return self.plan is not None and self.plan.during_backward
-
-    @overlap.setter
-    def overlap(self, on: bool) -> None:
-        """Plan the steps of the exchange joined last (`StepPlan`), buckets leaving
-        during the backward pass or not; `join` calls it (tests and benchmarks
-        switch plans between calls with it)."""
-        from dsgd import constants
-        from dsgd.comm.sharding import bucket_layout
-
-        client, layout, _ = self._exchange
-        self.plan = StepPlan(
-            buckets=bucket_layout(layout, constants.BUCKET_MIN_BYTES) if on else layout,
-            during_backward=on, chosen=client.choosing, may_stage=on, may_defer=on)
 
     @property
     def _buckets(self):
@@ -130,7 +145,7 @@ class ExchangeSession:
         Backup workers (`join` with a `need`): each step's contributors are
         the first `need` workers to have their whole gradient (PS 0 chooses;
         dsgd/comm/ps_client.py `choose`); the others receive the means without
-        sending. A worker dropped from a step is *late*: before its next step it
+        sending a gradient. A worker dropped from a step is *late*: before its next step it
         asks whether that step's contributors are chosen already, and if so it
         sits the step out (no batch read or drawn, no gradient computed) and
         only applies the mean, until it has caught up. Its reports say
@@ -141,7 +156,7 @@ class ExchangeSession:
         if run == self._halted_run:
             return []
         try:
-            return self._run_exchange_steps(datas, seqs, run, compact, reporter)
+            return self._run_steps(datas, seqs, run, compact, reporter)
         finally:
             # A step decided last in this call, or before one that stopped, and kept for
             # the next step's compiled call (`_Deferred`): applied now, so that what is
@@ -155,10 +170,13 @@ class ExchangeSession:
             # this worker had read the mean before the PS died finds them gone; if it
             # had begun applying it exits, recovered as a death.)
             if not self._dead_ps:
-                self._sendings.clear()
+                self._step_exchanges.clear()
 
-    def _run_exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool,
-                            reporter: bool) -> list | CompactAnswer:
+    def _run_steps(self, datas: list, seqs: list[int], run: int, compact: bool,
+                   reporter: bool) -> list | CompactAnswer:
+        """`exchange_steps`' steps, one `_step` each, until one ends the call (an
+        epoch's end, a halt, an error, or the abort: a failed exchange, whose
+        StepFailed ends the list); then the call's answer (`_answer`)."""
         from dsgd.comm.waits import actor_died_errors
         from dsgd.errors import ExchangeAbandoned, StepTimeoutError
 
@@ -190,6 +208,13 @@ class ExchangeSession:
             if info.decision == "halt":
                 self._halted_run = run
                 break
+        return self._answer(infos, seqs, compact, reporter)
+
+    def _answer(self, infos: list, seqs: list[int], compact: bool,
+                reporter: bool) -> list | CompactAnswer:
+        """The call's answer: its reports, or with `compact` (and every step applied
+        or skipped, or with backup workers ended by an epoch's end or a halt
+        after them) a CompactAnswer (see `exchange_steps`)."""
         backups = self.plan.chosen
         done = [i for i in infos if isinstance(i, StepReport) and i.decision in ("apply", "skip")]
         end = None
@@ -239,71 +264,75 @@ class ExchangeSession:
         (`_decide_and_apply`: alike everywhere, the buckets' means applied as
         they arrive, each update exactly that of one apply), record. A worker
         that computes nothing (a late one sitting the step out, or one whose
-        data ended) arrives without compute (`_observe`). Any failure of the
-        exchange aborts the step (raised to `_run_exchange_steps`).
+        data ended) arrives without compute (`_arrive_without_compute`). Any
+        failure of the exchange aborts the step (raised to `_run_steps`).
 
         Backup workers: the buckets leave as they do without them, before the
         contributors are chosen; each PS keeps every worker's part of its
         buckets until PS 0 has chosen (`StepExchange.choose`, instead of gathering
         every meta) and then sums the contributors' parts only. A late worker
-        whose next step is chosen already sits it out (`_sat_out`)."""
-        from dsgd.comm import commit
-        from dsgd.comm.ps_client import died
-
+        whose next step is chosen already sits it out."""
         client = self._exchange[0]
         start = time.perf_counter()
         label = f"step {self._step_number()}"
-        if self._dead_ps:  # a PS died last step (its bucket was averaged here): replace it
-            dead = self._dead_ps
-            raise died(f"worker {self.worker_index} {label}: PS actor(s) "
-                       f"{', '.join(client.names[j] for j in dead)} died (the last step's "
-                       "means were made by the workers)", ps=dead)
-        answer = client.decided(seq, label) if self.plan.chosen and self._late else None
-        if answer is not None:
-            return self._sat_out(seq, label, answer, start)
-        sending = client.sending(self._buckets, seq, label)
-        self._sendings[seq] = sending
-        computed, samples, data_s = self._compute_sending(sending, data, start)
+        self._check_ps_replaced(label)
+        chosen = client.decided(seq, label) if self.plan.chosen and self._late else None
+        if chosen is not None:
+            self._apply_deferred()  # (a step of its own kept for this call: applied first)
+        exchange = client.step_exchange(self._buckets, seq, label)
+        self._step_exchanges[seq] = exchange
+        if chosen is not None:
+            return self._arrive_without_compute(seq, exchange, start, chosen)
+        computed, samples, data_s = self._compute_sending(exchange, data, start)
         if computed is None:
-            return self._data_ended(seq, sending, start)
-        losses, finite, metrics = computed
-        finite = finite.numpy().tolist()
+            return self._arrive_without_compute(seq, exchange, start)
         computed_at = time.perf_counter()
-        report = StepReport(losses=losses.numpy().tolist(), finite=finite,
-                            metrics={k: v.numpy().tolist() for k, v in metrics.items()},
-                            samples=samples, data_s=data_s, compute_s=computed_at - start)
-        mine = commit.meta(self.worker_index, finite, list(metrics),
-                           report=dataclasses.replace(report))  # (a copy: `report` changes)
-        metas, contributed = self._arrive(seq, sending, mine)
+        report = _report(computed, samples, data_s, computed_at - start)
+        metas, contributed = self._arrive(seq, exchange, self._meta(report))
         if contributed is not None:  # backup workers
             report.contributors = sorted(m.slot for m in metas)
             report.contributed = contributed
             if not contributed and data is None:
                 report.dropped_rows = samples  # a get_batch batch computed for nothing
-        decision, apply_s = self._decide_and_apply(sending, metas)
+        decision, apply_s = self._decide_and_apply(exchange, metas)
         if decision is None:  # (backup workers: the contributors' data ended, this
             return StepReport(epoch_end=True)  # worker's not yet)
         end = time.perf_counter()
         report.exchange_s, report.apply_s = end - computed_at - apply_s, apply_s
-        report.applied, report.decision = decision.action == commit.APPLY, decision.action
+        report.applied, report.decision = decision.applied, decision.action
         report.nonfinite = list(decision.nonfinite)
         self._record_step(seq, start, start + data_s, computed_at, end)
         return report
 
-    def _compute_sending(self, sending, data, start: float) -> tuple:
+    def _check_ps_replaced(self, label: str) -> None:
+        """A PS died last step (its buckets were averaged by the workers): the step
+        stops at its start naming it, for the driver to replace it."""
+        from dsgd.comm.ps_client import died
+
+        if self._dead_ps:
+            dead = self._dead_ps
+            raise died(f"worker {self.worker_index} {label}: PS actor(s) "
+                       f"{', '.join(self._exchange[0].names[j] for j in dead)} died (the last "
+                       "step's means were made by the workers)", ps=dead)
+
+    def _meta(self, report: StepReport):
+        """This worker's meta of a computed step (dsgd/comm/commit.py)."""
+        from dsgd.comm import commit
+
+        return commit.meta(self.worker_index, report.finite, list(report.metrics),
+                           report=dataclasses.replace(report))  # (a copy: `report` changes)
+
+    def _compute_sending(self, exchange, data, start: float) -> tuple:
         """Phases data, compute and send: ((losses, finite, metrics) of the compiled
         step, or None at the end of the data; samples; data_s). The buckets leave
         during the backward pass (`StepPlan.during_backward`: a decided step kept
         for this call, `_Deferred`, is applied inside it) or once the whole
-        gradient is computed. On an error every worker is told (no gradient,
-        this error) so that none waits for this one, then it is raised."""
-        from dsgd.comm import commit
-
+        gradient is computed. An error aborts the step (`_abort_compute`)."""
         shards, groups = self.replicas.plan.shards, self._buckets.groups
 
         def send(g: int, arrays: dict) -> None:
-            sending.send(g, tuple(arrays[p.var_index][p.var_offset:p.var_offset + p.length]
-                                  for j in groups[g] for p in shards[j].pieces))
+            exchange.send(g, tuple(arrays[p.var_index][p.var_offset:p.var_offset + p.length]
+                                   for j in groups[g] for p in shards[j].pieces))
 
         deferred, fused = self._deferred, None  # the last step's means, applied in this call
         try:
@@ -316,7 +345,7 @@ class ExchangeSession:
                 losses, finite, flat_grads, metrics = self.replicas.compute(batches)
                 pieces = self.replicas.shard_pieces(flat_grads)
                 for g, group in enumerate(groups):
-                    sending.send(g, tuple(piece for j in group for piece in pieces[j]))
+                    exchange.send(g, tuple(piece for j in group for piece in pieces[j]))
                 return (losses, finite, metrics), samples, data_s
             fused = time.perf_counter() if deferred is not None else None
             losses, finite, metrics, _ = self.replicas.compute_sending(
@@ -325,59 +354,53 @@ class ExchangeSession:
                 self._deferred_applied(deferred, fused)
             return (losses, finite, metrics), samples, data_s
         except Exception as e:
-            if fused is not None and self._deferred is deferred:
-                ran = self.replicas.deferred_applied
-                if ran is False:  # (the last step's update may have run in part)
-                    self._exit_partly_applied(e, self._step_number() - 1)
-                if ran:
-                    self._deferred_applied(deferred, fused)
-                # (else it did not run: exchange_steps applies it on its own, or raises)
-            try:  # no PS or peer waits for this worker's gradient: they stop now
-                sending.send_rest()
-                failed = commit.meta(self.worker_index, None, None, e)
-                sending.choose(failed) if sending.chosen_later else sending.metas(failed)
-            except Exception:  # noqa: BLE001 - this worker's own error is the one to report
-                pass
+            self._abort_compute(exchange, e, deferred if fused is not None else None, fused)
             raise
 
-    def _data_ended(self, seq: int, sending, start: float) -> StepReport:
-        """This worker's data ended: it sends nothing and arrives without compute.
-        Without backup workers the step ends for everyone (commit.decide raises
-        unless every worker's epoch ended); with them the contributors may still
-        have had data, and this worker applies their step (`_observe`)."""
+    def _abort_compute(self, exchange, error: Exception, deferred, fused: float | None) -> None:
+        """The step's compute or send raised `error`: the last step's update kept
+        for this call (`deferred`, fused into it at `fused`) is accounted for (a
+        worker whose weights may be partly updated exits), and every worker is
+        told (no gradient, this error) so that none waits for this one. The
+        caller raises `error`."""
         from dsgd.comm import commit
 
-        sending.send_rest()
-        ended = commit.meta(self.worker_index, None, None)
-        if not sending.chosen_later:
-            commit.decide(sending.metas(ended), self._exchange[2])
-            return StepReport(epoch_end=True)
-        chosen, metas, contributed = sending.choose(ended)
-        self._late = not contributed
-        return self._observe(seq, sending, chosen, metas, start, sat_out=False)
+        if deferred is not None and self._deferred is deferred:
+            ran = self.replicas.deferred_applied
+            if ran is False:  # (the last step's update may have run in part)
+                self._exit_partly_applied(error, self._step_number() - 1)
+            if ran:
+                self._deferred_applied(deferred, fused)
+            # (else it did not run: exchange_steps applies it on its own, or raises)
+        try:  # no PS or peer waits for this worker's gradient: they stop now
+            exchange.send_no_gradient()
+            failed = commit.meta(self.worker_index, None, None, error)
+            exchange.choose(failed) if exchange.chosen_later else exchange.metas(failed)
+        except Exception:  # noqa: BLE001 - this worker's own error is the one to report
+            pass
 
-    def _arrive(self, seq: int, sending, mine: dict) -> tuple[list, bool | None]:
+    def _arrive(self, seq: int, exchange, mine: dict) -> tuple[list, bool | None]:
         """Phase arrive: (every contributor's meta, in rank order of the
         contributors; whether this worker is one, None without backup workers).
         PS 0 gathers every worker's meta, or with backup workers names the first
         `need`. Keeps this step's `StepExchange` while a peer may still ask for
         its parts, and the metas for reports."""
-        if not sending.chosen_later:
-            metas = sending.metas(mine)
+        if not exchange.chosen_later:
+            metas = exchange.metas(mine)
             # Every worker has applied the last step (each sends its meta only after): no
             # peer's fallback can ask for its parts any more.
-            self._sendings = {seq: sending}
+            self._step_exchanges = {seq: exchange}
             self._keep_metas(seq, metas)
             return metas, None
-        chosen, metas, contributed = sending.choose(mine)
+        chosen, metas, contributed = exchange.choose(mine)
         self._late = not contributed
         self._keep_metas(seq, self._by_rank(chosen, metas))
         # (a worker of the last step's contributors may still be applying it: its
         # fallback may ask for this worker's parts of it)
-        self._sendings = {k: v for k, v in self._sendings.items() if k >= seq - 1}
+        self._step_exchanges = {k: v for k, v in self._step_exchanges.items() if k >= seq - 1}
         return metas, contributed
 
-    def _decide_and_apply(self, sending, metas: list) -> tuple:
+    def _decide_and_apply(self, exchange, metas: list) -> tuple:
         """Phases decide and apply: the step decided from the contributors' metas,
         alike on every worker (dsgd/comm/commit.py), and, if applied, its means
         applied as they arrive (`_apply_arriving`). Returns (decision, seconds
@@ -386,24 +409,24 @@ class ExchangeSession:
 
         decision = commit.decide(metas, self._exchange[2])
         if decision.action == commit.EPOCH_END:
-            sending.release_means()
+            exchange.release_means()
             return None, 0.0
         apply_s = 0.0
         if decision.action == commit.APPLY:
-            apply_s = self._apply_arriving(sending, self._buckets)
+            apply_s = self._apply_arriving(exchange, self._buckets)
             self._freeze_gc_once()
-        self._applied_from(sending)
+        self._applied_from(exchange)
         return decision, apply_s
 
-    def _applied_from(self, sending) -> None:
+    def _applied_from(self, exchange) -> None:
         """A step's means are applied (or kept for the next call: `_Deferred`): drop
         the references to them, and note the buckets averaged here because their
         PS died (the next step stops at its start naming it)."""
-        if self._deferred is None or self._deferred.sending is not sending:
-            sending.release_means()
-        if sending.fell_back:
-            self.buckets_averaged_here += len(sending.fell_back)
-            self._dead_ps = sorted({self._buckets.ps_of_group[g] for g in sending.fell_back})
+        if self._deferred is None or self._deferred.exchange is not exchange:
+            exchange.release_means()
+        if exchange.fell_back:
+            self.buckets_averaged_here += len(exchange.fell_back)
+            self._dead_ps = sorted({self._buckets.ps_of_group[g] for g in exchange.fell_back})
 
     def _by_rank(self, chosen: list[int], metas: list) -> list:
         """The contributors' `metas` (in `chosen` order) at their ranks, None elsewhere."""
@@ -412,40 +435,41 @@ class ExchangeSession:
             full[r] = m
         return full
 
-    def _sat_out(self, seq: int, label: str, answer: tuple, start: float) -> StepReport:
-        """(backup workers) This late worker sits step `seq` out: its
-        contributors were chosen already (`answer`: PSClient.decided). Nothing is
-        computed; every bucket is joined without a part and the means applied as
-        they arrive. A step of its own kept for this call (`_Deferred`) is applied
-        first, on its own."""
-        client = self._exchange[0]
-        self._apply_deferred()
-        chosen, metas, _ = answer
-        sending = client.sending(self._buckets, seq, label)
-        sending.chosen = tuple(chosen)
-        sending.send_rest()  # (not a contributor: each PS drops a part, and needs none)
-        self._sendings[seq] = sending
-        return self._observe(seq, sending, chosen, metas, start, sat_out=True)
-
-    def _observe(self, seq: int, sending, chosen: list[int], metas: list, start: float,
-                 sat_out: bool) -> StepReport:
-        """(backup workers) Arrive without compute: step `seq` without a
-        part of this worker's in its mean (`chosen`: its contributors, `metas`
-        theirs), decided as they do and its means applied as they arrive.
-        `sat_out`: nothing was computed (else this worker's data had ended).
-        Returns the step's report."""
+    def _arrive_without_compute(self, seq: int, exchange, start: float,
+                                chosen: tuple | None = None) -> StepReport:
+        """Phase arrive without compute: this worker sends no gradient for step
+        `seq` (each PS drops its part, and needs none), either because it sits
+        the step out (backup workers: a late worker whose step's contributors
+        are `chosen` already, PSClient.decided's (ranks, metas, _)) or because
+        its data ended. Without backup workers an ended data ends the step for
+        everyone (commit.decide raises unless every worker's epoch ended); with
+        them the contributors may still have had data, and this worker decides
+        the step as they do and applies its means as they arrive. Returns the
+        step's report."""
         from dsgd.comm import commit
 
-        self._sendings = {k: v for k, v in self._sendings.items() if k >= seq - 1}
-        self._keep_metas(seq, self._by_rank(chosen, metas))
+        sat_out = chosen is not None
+        if sat_out:
+            exchange.sit_out(chosen[0])
+        else:
+            exchange.send_no_gradient()
+            ended = commit.meta(self.worker_index, None, None)
+            if not exchange.chosen_later:
+                commit.decide(exchange.metas(ended), self._exchange[2])
+                return StepReport(epoch_end=True)
+            chosen = exchange.choose(ended)
+            self._late = not chosen[2]
+        ranks, metas = chosen[0], chosen[1]
+        self._step_exchanges = {k: v for k, v in self._step_exchanges.items() if k >= seq - 1}
+        self._keep_metas(seq, self._by_rank(ranks, metas))
         sent = time.perf_counter()
-        decision, apply_s = self._decide_and_apply(sending, metas)
+        decision, apply_s = self._decide_and_apply(exchange, metas)
         if decision is None:
             return StepReport(epoch_end=True)
         end = time.perf_counter()
         self._record_step(seq, start, sent, sent, end, sat_out=sat_out)
         return StepReport(exchange_s=end - sent - apply_s, apply_s=apply_s,
-                          applied=decision.action == commit.APPLY, decision=decision.action,
+                          applied=decision.applied, decision=decision.action,
                           nonfinite=list(decision.nonfinite),
                           contributors=sorted(m.slot for m in metas),
                           contributed=False, sat_out=sat_out)
@@ -456,8 +480,8 @@ class ExchangeSession:
         [None] if it no longer holds it: a peer whose PS died averages that
         bucket itself (`StepExchange.fallback`). Runs beside `exchange_steps` (its
         own concurrency group), answering at once."""
-        sending = self._sendings.get(seq)
-        return [None if sending is None else sending.parts[g]]
+        exchange = self._step_exchanges.get(seq)
+        return [None if exchange is None else exchange.parts[g]]
 
     def _keep_metas(self, seq: int, metas: list) -> None:
         """Keep step `seq`'s metas (rank order), at least a whole call's: the
@@ -471,3 +495,12 @@ class ExchangeSession:
         among `seqs` this worker exchanged: the driver rebuilds from them the
         reports of a worker that died after applying them."""
         return {seq: self._recent_metas[seq] for seq in seqs if seq in self._recent_metas}
+
+
+def _report(computed: tuple, samples, data_s: float, compute_s: float) -> StepReport:
+    """A computed step's report (its figures; the exchange's are added once it is
+    decided): `computed` is the compiled step's (losses, finite, metrics)."""
+    losses, finite, metrics = computed
+    return StepReport(losses=losses.numpy().tolist(), finite=finite.numpy().tolist(),
+                      metrics={k: v.numpy().tolist() for k, v in metrics.items()},
+                      samples=samples, data_s=data_s, compute_s=compute_s)

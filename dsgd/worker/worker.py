@@ -37,13 +37,14 @@ import numpy as np
 import ray
 
 from dsgd.comm import store, timeline
-from dsgd.comm.reports import StepRaised, StepReport
+from dsgd.comm.reports import Ping, StepRaised, StepReport
 from dsgd.comm.sharding import ShardPlan
 from dsgd.errors import DsgdError, picklable_error
 from dsgd.model import Model
 from dsgd.worker import checkpoint_files
 from dsgd.worker.apply_schedule import ApplySchedule
 from dsgd.worker.exchange_session import ExchangeSession
+from dsgd.worker.records import Configured, FullState
 from dsgd.worker.replicas import Replicas
 from dsgd.worker.spans import StepSpans
 
@@ -73,8 +74,6 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
     def setup(self) -> dict:
         """Build the replicas (imports TensorFlow). Returns their variable signature
         (names, shapes, dtypes), devices, node id and pid."""
-        import ray
-
         if self.worker_init is not None:
             self.worker_init()  # e.g. environment variables, a Keras precision policy
         info = self.replicas.setup()
@@ -82,14 +81,14 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
         return info
 
     def configure(self, plan: ShardPlan, on_nonfinite: str = "raise",
-                  warm_store_bytes: int = 0) -> dict:
+                  warm_store_bytes: int = 0) -> Configured:
         """Compile the step for `plan` and warm `warm_store_bytes` of this process's
-        object-store mapping (store.warm). Returns {"per_group_blocker": why the
-        step cannot be applied group by group (`apply_staged`), or None}."""
+        object-store mapping (store.warm). Returns why the step cannot be applied
+        group by group (`apply_staged`), or None, as a `Configured`."""
         self.replicas.configure(plan, on_nonfinite)
         self.warmed_store_bytes = store.warm(warm_store_bytes)
         self._gc_frozen = False  # new functions: freeze again once they are traced
-        return {"per_group_blocker": self.replicas.per_group_blocker}
+        return Configured(per_group_blocker=self.replicas.per_group_blocker)
 
     def _freeze_gc_once(self) -> None:
         """After the first step (TensorFlow, Keras and the traced step are built),
@@ -104,11 +103,9 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
             gc.freeze()
             self._gc_frozen = True
 
-    def ping(self) -> dict:
+    def ping(self) -> Ping:
         """Liveness and progress; runs after every call queued before it."""
-        import os
-
-        return {"applied_steps": self.applied_steps, "pid": os.getpid()}
+        return Ping(os.getpid(), applied_steps=self.applied_steps)
 
     def attach_data(self, key: int, loader) -> None:
         """Steps that pass `data=(key, arg)` take their batches from `loader`
@@ -239,10 +236,11 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
             if tl.on:  # (resumed once Ray has the group in the store)
                 tl.add(f"write group {g}", "send", written, time.time(), step=step)
 
-    def apply(self, groups: tuple[tuple[int, ...], ...], *group_means: tuple) -> dict:
+    def apply(self, groups: tuple[tuple[int, ...], ...], *group_means: tuple) -> float:
         """Apply the global mean gradient to every replica. `group_means[g]` holds
         one 1-D array per shard of `groups[g]`, as a PS returns them: read-only
-        object-store views, read during the call, not kept."""
+        object-store views, read during the call, not kept. Returns the seconds
+        it took."""
         start = time.perf_counter()
         if len(group_means) != len(groups):
             raise DsgdError(f"worker {self.worker_index}: got {len(group_means)} mean groups "
@@ -262,7 +260,7 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
             to_wall = tl.to_wall
             tl.add("apply", "step", start + to_wall, time.perf_counter() + to_wall,
                    step=self.applied_steps)
-        return {"apply_s": time.perf_counter() - start}
+        return time.perf_counter() - start
 
     def models(self) -> list[Model]:
         """This worker's replicas (the `Model`s `model_creator` made), in device
@@ -279,22 +277,23 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
             for variable, value in zip(checkpoint_files.state_variables(replica), state, strict=True):
                 variable.assign(value)
 
-    def get_full_state(self) -> dict:
+    def get_full_state(self) -> FullState:
         """Everything a replacement worker needs to continue exactly: replica 0's
         model state, its optimizer's variables (iteration count, slots) and
         `applied_steps`. Returned through the object store."""
-        return {"model": self.get_state(),
-                "optimizer": [np.array(v.numpy()) for v in self.replicas.optimizer_variables(0)],
-                "applied_steps": self.applied_steps}
+        return FullState(
+            model=self.get_state(),
+            optimizer=[np.array(v.numpy()) for v in self.replicas.optimizer_variables(0)],
+            applied_steps=self.applied_steps)
 
-    def set_full_state(self, state: dict) -> None:
+    def set_full_state(self, state: FullState) -> None:
         """Load a `get_full_state()` into every replica (read, not kept)."""
-        self.set_state(state["model"])
+        self.set_state(state.model)
         for i in range(len(self.replicas.replicas)):
-            for variable, value in zip(self.replicas.optimizer_variables(i), state["optimizer"],
+            for variable, value in zip(self.replicas.optimizer_variables(i), state.optimizer,
                                        strict=True):
                 variable.assign(value)
-        self.applied_steps = int(state["applied_steps"])
+        self.applied_steps = int(state.applied_steps)
 
     def get_weights(self) -> list[np.ndarray]:
         return self.replicas.replicas[0].get_weights()

@@ -22,7 +22,7 @@ import logging
 import time
 
 from dsgd.comm.reports import StepReport
-from dsgd.comm.waits import actor_died_errors, fetch, ready
+from dsgd.comm.waits import Deadline, actor_died_errors, fetch, ready
 from dsgd.errors import StepTimeoutError
 
 logger = logging.getLogger("dsgd")
@@ -211,10 +211,10 @@ class Stragglers:
         most `timeout_s`, then StepTimeoutError naming them): before a step every
         worker must take part in (the first of a Ray Data epoch)."""
 
-        deadline = time.monotonic() + timeout_s
-        while self._busy and time.monotonic() < deadline:
-            waiting = [entry[2] for entry in self._busy.values()]
-            ready(waiting, deadline - time.monotonic())
+        deadline = Deadline(f"late worker(s) {self.late_slots}, to begin a Ray Data epoch "
+                            "together", timeout_s)
+        while self._busy and not deadline.over():
+            deadline.wait([entry[2] for entry in self._busy.values()])
             self.free([], [])
         if self._busy:
             late = [entry[0] for entry in self._busy.values()]

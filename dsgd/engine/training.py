@@ -1,5 +1,5 @@
 """`DistributedSGD.train`: many steps, each replica's batch from a dataset's
-feed (dsgd/engine/feeds.py) or from its own get_batch, with a progress bar and
+feed (dsgd/engine/datasets.py) or from its own get_batch, with a progress bar and
 a summary of what was trained (driver side)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 from dsgd import progress as progress_bar
 from dsgd.comm import reports
-from dsgd.engine.feeds import FeedEntry
+from dsgd.engine.datasets import FeedEntry
 from dsgd.engine.loop import StepLoop
 from dsgd.engine.state import Progress
 from dsgd.engine.step import StepResult
@@ -79,7 +79,7 @@ class Tally:
         self.workers: list[dict] = []
 
     def add(self, result: StepResult, step_s: float) -> None:
-        infos, applied = result.infos, result.applied
+        infos = result.infos
         self.steps += 1
         self.skipped += result.skipped
         # Steps that ran in one call (one worker) come together: their share of its time.
@@ -92,7 +92,7 @@ class Tally:
             return
         self._add_times(step_s, max(info.data_s for info in infos),
                         max(info.compute_s for info in infos),
-                        max((a.get("apply_s", 0.0) for a in applied), default=0.0))
+                        max(result.apply_s, default=0.0))
         self.losses.append(float(np.mean([x for info in infos for x in info.losses])))
         slots = result.contributors if result.contributors is not None else range(len(infos))
         while len(self.workers) <= max(slots):
@@ -182,7 +182,7 @@ def step_stats(result: StepResult, step_s: float, progress: Progress, config,
     else:
         losses = [x for info in infos for x in info.losses] if infos else [float("nan")]
         compute_s = max(info.compute_s for info in infos) if infos else 0.0
-    apply_s = max(a["apply_s"] for a in result.applied)
+    apply_s = max(result.apply_s, default=0.0)
     stats = {"loss": float(np.mean(losses)), "compute_s": compute_s,
              "exchange_s": max(0.0, step_s - compute_s - apply_s), "apply_s": apply_s,
              "step_s": step_s, "step": progress.steps_done, "skipped": result.skipped,
