@@ -24,7 +24,7 @@ MAX_BUCKETS_PER_PS = 4
 into fewer, larger buckets beyond it): each bucket's call waits in one of the
 PS's threads until every worker's part is in, and the PS has
 (MAX_BUCKETS_PER_PS + 2) x workers + 8 of them (param_server.rendezvous_concurrency)."""
-APPLY_SPLIT_MIN_PENDING = 0.25
+APPLY_SPLIT_MIN_SHARE = 0.25
 """The overlapped exchange applies the buckets already summed when the step is
 decided in one update and the rest in a second only when the rest is at least
 this share of the gradient's bytes; else it waits and applies once (a second

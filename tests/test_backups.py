@@ -475,7 +475,7 @@ def test_overlapped_steps_with_a_straggler_replay_exactly():
         stats = [sgd.step(fetch_stats=True) for _ in range(8)]
         weights = assert_replicas_identical(sgd)
         # (the overlapped path, two buckets on two PS: each settled by one contributor)
-        assert sgd.foreach_worker(lambda w: (w.plan.during_backward, w._exchange[0].choosing,
+        assert sgd.foreach_worker(lambda w: (w.plan.during_backward, w.plan.chosen,
                                              w._buckets.ps_of_group)) == [(True, True, (0, 1))] * 3
     assert all(len(s["contributors"]) == 2 for s in stats)
     assert sum(2 in s["contributors"] for s in stats) <= 1

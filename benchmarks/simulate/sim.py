@@ -29,7 +29,7 @@ What is simulated (read from the code, `dsgd/worker/worker.py` and
   after the decision it reads the ready ones again, applies the ready prefix
   in one update and the rest in a second, each stage's means pulled at once
   when all its answers are in (`StepExchange.read`), or everything in one update
-  when under `APPLY_SPLIT_MIN_PENDING` is still pending
+  when under `APPLY_SPLIT_MIN_SHARE` is still pending
   (`Worker._apply_arriving`).
   With `prefetch=True` (not what the code does: a proposed change, see
   docs/scaling.md) each mean is pulled as soon as its answer arrives.
@@ -116,7 +116,7 @@ class Costs:
     apply_s: float = 0.0      # one compiled apply update: fixed part (host)
     apply_bw: float = 0.0     # host apply: gradient bytes per second (CPU workers; 0: free)
     loop_s: float = 0.0       # per step, a worker's own fixed cost outside compute/apply
-    split_min_pending: float = 0.25  # dsgd's APPLY_SPLIT_MIN_PENDING
+    split_min_pending: float = 0.25  # dsgd's APPLY_SPLIT_MIN_SHARE
     xfer_cpu_bw: float = 0.0  # CPU a transfer costs (emulated cluster, shared cores; 0: none)
     # Of `pull_s`, the part that is work on the node serving the object (its object
     # manager, one request at a time: N pulls of one PS's mean queue there); the rest
@@ -630,7 +630,9 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
     def collect(s: int, u: int, when: str) -> None:
         st = state[s]
         have = pulled_by(st, u)
-        new = [b for b in range(nb) if b not in have and st["replies"][u][b] <= eng.now]
+        # (only the means already on u's node: StepExchange.collect pulls nothing)
+        new = [b for b in range(nb) if b not in have and st["replies"][u][b] <= eng.now
+               and ps_node[groups[b][1]] == u]
         for b in new:
             pull(s, u, b)
         if when == "metas":

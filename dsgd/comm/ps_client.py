@@ -22,6 +22,7 @@ Failures are named, never waited out in silence:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -115,20 +116,20 @@ class PSClient:
         return StepExchange(self, layout, seq, label)
 
     # -- backup workers: the first `need` of the workers make a step --------------------------
-    def choose(self, seq: int, meta: Meta, label: str) -> tuple[list[int], list[Meta], bool]:
+    def choose(self, seq: int, meta: Meta, label: str) -> Chosen:
         """Step `seq`'s contributors (PS 0 `choose`: the first `need` ranks to
-        have their whole gradient): (sorted ranks, their metas in that order,
-        whether this worker is one). Blocks until they are chosen, at most
+        have their whole gradient). Blocks until they are chosen, at most
         `timeout_s`; a worker arriving after that is answered at once (it is
         dropped from the step)."""
         ref = self.ps[0].choose.remote(seq, self.rank, self.world, self.need, meta)
-        return tuple(self._wait([ref], [0], seq, label, kind="choose", watch=()))[0]
+        return Chosen(*self._wait([ref], [0], seq, label, kind="choose", watch=())[0])
 
-    def decided(self, seq: int, label: str) -> tuple[list[int], list[Meta], bool] | None:
+    def decided(self, seq: int, label: str) -> Chosen | None:
         """`choose`'s answer if step `seq`'s contributors are chosen already (this
         worker, late, then sits the step out), else None. One round trip to PS 0."""
         ref = self.ps[0].decided.remote(seq, self.rank, self.world)
-        return self._wait([ref], [0], seq, label, kind="choose", watch=())[0]
+        answer = self._wait([ref], [0], seq, label, kind="choose", watch=())[0]
+        return None if answer is None else Chosen(*answer)
 
     def _exchange(self, layout, pieces, seq: int, scale, label) -> list[np.ndarray]:
         import ray
@@ -253,6 +254,18 @@ class PSClient:
             f"{', '.join(who) or 'unknown'}", late_workers=sorted(missing), late_ps=late_ps)
 
 
+@dataclasses.dataclass(frozen=True)
+class Chosen:
+    """A step's contributors under backup workers, as PS 0 chose them (`choose`)."""
+    ranks: tuple[int, ...]  # the contributors' ranks, sorted
+    metas: tuple            # their metas (commit.Meta), in that order
+    mine: bool              # whether this worker is one of them
+
+    def __post_init__(self):
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+        object.__setattr__(self, "metas", tuple(self.metas))
+
+
 class StepExchange:
     """One step of the overlapped exchange (`PSClient.step_exchange`), in three parts:
 
@@ -336,23 +349,22 @@ class StepExchange:
             self.collect()
         return client._wait([ref], [0], self.seq, self.label, kind="gather")[0]
 
-    def choose(self, meta: Meta) -> tuple[list[int], list[Meta], bool]:
+    def choose(self, meta: Meta) -> Chosen:
         """(backup workers, instead of `metas`) This step's contributors: PS 0
-        names the first `need` workers to have sent their meta (`PSClient.choose`:
-        (sorted ranks, their metas in that order, whether this worker is one)).
+        names the first `need` workers to have sent their meta (`PSClient.choose`).
         Then each PS holding buckets of the step is told (`settle`), by one
         contributor each (the PS's index modulo their number picks it: the
         settles of a step spread over the contributors, one call per PS in
         all). Blocks until they are chosen, at most the client's `timeout_s`."""
         client = self.client
-        chosen, metas, mine = client.choose(self.seq, meta, self.label)
-        self.chosen = tuple(chosen)
+        chosen = client.choose(self.seq, meta, self.label)
+        self.chosen = chosen.ranks
         owners = sorted(set(self.layout.ps_of_group))
         for j in owners:
             if self.chosen[j % len(self.chosen)] == client.rank:
                 buckets = tuple(g for g, p in enumerate(self.layout.ps_of_group) if p == j)
                 client.ps[j].settle.remote(self.seq, self.chosen, buckets)
-        return chosen, metas, mine
+        return chosen
 
     def collect(self) -> None:
         """Read every group's mean that is summed and already in this node's store
@@ -472,8 +484,8 @@ class StepExchange:
         asked = [None if r == client.rank else client.peers[r].parts_of.remote(self.seq, g)
                  for r in ranks]
         what = f"{self.label}: the workers' parts of group {g}"
-        refs = [[self.parts[g]] if r == client.rank else fetch(a, what, client.timeout_s)
-                for r, a in zip(ranks, asked)]
+        theirs = iter(fetch([a for a in asked if a is not None], what, client.timeout_s))
+        refs = [[self.parts[g]] if a is None else next(theirs) for a in asked]
         if any(r is None or r[0] is None for r in refs):
             raise RuntimeError(f"a worker no longer holds its part of group {g}")
         parts = fetch([r[0] for r in refs], what, client.timeout_s)

@@ -14,8 +14,10 @@ Every remote wait of the package that blocks is a `Deadline`'s `wait`
   it).
 - `ready`: which of some refs are ready now, without blocking.
 - `fetch` / `outcomes`: the values of refs, with a deadline (`FETCH_S` for refs
-  `ready` found ready); a timeout is a `StepTimeoutError` naming what was
-  fetched.
+  `ready` found ready; else the time a caller's `Deadline` has left); a timeout
+  is a `StepTimeoutError` naming what was fetched.
+- `Deadline.pause`: a poll of something that is not a ref (Ray's free
+  resources), within the deadline.
 """
 
 from __future__ import annotations
@@ -132,6 +134,11 @@ class Deadline:
                        "StepTimeoutError after %.0f s", self.what, who, self.waited(),
                        len(refs) - len(pending), self.timeout_s)
 
+    def pause(self, seconds: float) -> None:
+        """Sleep `seconds`, or until the end if that comes first: a poll of
+        something that is not a ref (Ray's free resources)."""
+        time.sleep(min(seconds, self.left()))
+
     def expired(self, late: Sequence = (), detail: str = "") -> StepTimeoutError:
         """The StepTimeoutError of a wait that ended: `late` (owners) are named
         and carried in its `late` attribute; `detail` is said after."""
@@ -157,11 +164,13 @@ def fetch(refs, what: str, timeout_s: float = FETCH_S):
 
 def outcomes(refs: Sequence, what: str, timeout_s: float = FETCH_S) -> list:
     """`fetch` of each ref in `refs` alone: its value, or the exception it raised
-    (a timeout included), in order. For loops that sort answers from errors."""
+    (a timeout included), in order, within `timeout_s` in all. For loops that
+    sort answers from errors."""
+    deadline = Deadline(what, timeout_s)
     out = []
     for ref in refs:
         try:
-            out.append(fetch(ref, what, timeout_s))
+            out.append(fetch(ref, what, deadline.left()))
         except Exception as e:  # noqa: BLE001 - returned, for the caller to sort
             out.append(e)
     return out

@@ -19,7 +19,6 @@ item is still seen once per epoch, and rows stay a function of the position.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -161,7 +160,7 @@ class BlockStream:
         needed = list(dict.fromkeys(b for b, _, _ in self.spans(start, count)))
         upcoming = [b for b, _, _ in self.spans(start + count, ahead)] if ahead else []
         wanted = list(dict.fromkeys(needed + upcoming))
-        deadline = time.monotonic() + timeout_s
+        deadline = Deadline(f"download_func: blocks {needed[0]}-{needed[-1]}", timeout_s)
         while True:
             self._start(wanted)
             for block in needed:  # a failed download of a needed block: its error, now
@@ -170,11 +169,10 @@ class BlockStream:
             missing = [b for b in needed if b not in self.blocks]
             if not missing:
                 return {b: self.blocks[b] for b in needed}
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if deadline.over():
                 raise StepTimeoutError(f"download_func: block {missing[0]} ({self.block_rows} "
                                        f"items) not downloaded after {timeout_s:.1f} s")
-            self._collect(min(left, 1.0))
+            self._collect(deadline, 1.0)
 
     def _start(self, wanted: list[int]) -> None:
         for block in wanted:
@@ -198,13 +196,14 @@ class BlockStream:
                 self._func_ref = ray.put(self.download_func)
             self._pending[block] = _remote_download().remote(self._func_ref, items, indices)
 
-    def _collect(self, timeout_s: float) -> None:
-        """Wait up to `timeout_s` for pending downloads; keep the finished ones."""
+    def _collect(self, deadline: Deadline, slice_s: float) -> None:
+        """Wait for pending downloads, at most `slice_s` within `deadline`; keep the
+        finished ones."""
 
         if not self._pending:
             return
         counts = {refs[0]: block for block, refs in self._pending.items()}
-        done, rest = Deadline("downloads", timeout_s).wait(list(counts), num_returns=1)
+        done, rest = deadline.wait(list(counts), num_returns=1, slice_s=slice_s)
         if done and rest:
             done += ready(rest)[0]
         for ref in done:
@@ -213,7 +212,7 @@ class BlockStream:
                 count, block_signature = fetch(ref, f"the count of block {block}")
             except Exception as e:  # noqa: BLE001 - kept, raised when the block is needed
                 # the block failed too: read it, so Ray does not log it as unhandled
-                outcomes([self._pending.pop(block)[1]], f"block {block}", timeout_s)
+                outcomes([self._pending.pop(block)[1]], f"block {block}", deadline.left())
                 self._failed[block] = e
                 continue
             self.downloaded_items += count

@@ -1,6 +1,6 @@
 """The driver's calls to the workers outside steps (`DriverCalls`): each waits
 with a deadline and, when a worker died (or hung, with `replace_hung`), has the
-failure policy replace it between steps and sends the call once more; and the
+failure policy replace it between steps and sends the call again; and the
 automatic snapshot, taken and restored through them."""
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ class DriverCalls:
         return self.actors.wait(refs, owners, what, timeout_s or self.config.step_timeout_s)
 
     def call_all(self, method: str, *args) -> list:
-        """Worker method `method(*args)` on every worker, retried once after a loss."""
+        """Worker method `method(*args)` on every worker, retried after a loss."""
         return self.retried(method, lambda ws: ([getattr(w, method).remote(*args) for w in ws], ws))
 
     def first(self, what: str, method: str, *args):
-        """Worker 0's method `method(*args)`, retried once after a loss (`retried`)."""
+        """Worker 0's method `method(*args)`, retried after a loss (`retried`)."""
         return self.retried(what, lambda ws: ([getattr(ws[0], method).remote(*args)], ws[:1]))[0]
 
     def run_each(self, fn, per_worker, args: tuple, timeout_s: float | None, what: str) -> list:
         """`fn(worker, per_worker[k], *args)` on worker k (`per_worker` a list, or a
         callable returning it, asked again for the new group after a loss),
-        retried once after a loss (`retried`)."""
+        retried after a loss (`retried`)."""
         def submit(workers):
             args_list = per_worker() if callable(per_worker) else per_worker
             return [w.run.remote(fn, a, *args) for w, a in zip(workers, args_list)], workers
@@ -58,10 +58,11 @@ class DriverCalls:
         most `timeout_s`, default step_timeout_s). If an actor died meanwhile,
         or did not answer (StepTimeoutError) and `replace_hung` is on, the
         failure policy replaces it between steps (state copied from a
-        survivor; dsgd/engine/recovery.py) and the call is sent once more to
-        the new group. A second failure, or one the policy does not recover
-        from, raises. Blocks."""
-        for attempt in (0, 1):
+        survivor; dsgd/engine/recovery.py) and the call is sent again to the
+        new group. Every failure is charged to the one failure budget
+        (`max_failures`, as a step's are): past it, or for a failure the policy
+        does not recover from, it raises. Blocks."""
+        while True:
             self.actors.check_open(what)
             refs, owners = submit(self.actors.workers)
             try:
@@ -70,10 +71,9 @@ class DriverCalls:
                 hung = isinstance(e, StepTimeoutError)
                 if hung:
                     e = self._late_by_index(e, owners)
-                if attempt or (hung and not recovers_hang(self.config.replace_hung, e.late)):
+                if hung and not recovers_hang(self.config.replace_hung, e.late):
                     raise
-                self.recovery.recover(e, call=what)
-        raise AssertionError("unreachable")
+                self.recovery.recover(e, call=what)  # (raises past the budget)
 
     def _late_by_index(self, error: StepTimeoutError, workers: list) -> StepTimeoutError:
         """A StepTimeoutError raised in a worker names who did not arrive by worker

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dsgd import constants
 from dsgd.config import Config
 from dsgd.comm import waits
-from dsgd.comm.waits import actor_died_errors
+from dsgd.comm.waits import Deadline, actor_died_errors
 from dsgd.engine import failures, launch
 from dsgd.engine.stragglers import Stragglers
 from dsgd.engine.resources import placeable_workers
@@ -219,12 +219,12 @@ class Recovery:
         Ray to release the resources of the workers just lost."""
         if not count:
             return 0
-        deadline = time.monotonic() + constants.RESOURCE_RELEASE_S
+        deadline = Deadline(f"room for {count} replacement(s)", constants.RESOURCE_RELEASE_S)
         while True:
             placeable = placeable_workers(self.actors.worker_options, count)
-            if placeable >= count or time.monotonic() > deadline:
+            if placeable >= count or deadline.over():
                 return placeable
-            time.sleep(0.1)
+            deadline.pause(0.1)
 
     def maybe_grow(self) -> None:
         """elastic=True, below the asked-for worker count: start workers for the

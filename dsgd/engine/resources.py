@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 
+from dsgd.comm.waits import Deadline
 from dsgd.errors import ResourceError
 
 logger = logging.getLogger("dsgd")
@@ -154,11 +154,11 @@ def wait_for_room(options: dict, count: int, own_suffix: str, wait_s: float) -> 
 
     if not isinstance(options.get("scheduling_strategy"), str):
         return
-    deadline = time.monotonic() + wait_s
+    deadline = Deadline(f"room for {count} worker(s)", wait_s)
     while placeable_workers(options, count) < count:
-        if time.monotonic() > deadline:
+        if deadline.over():
             break
-        time.sleep(0.2)
+        deadline.pause(0.2)
     else:
         return
     cpu, gpu = options.get("num_cpus", 1), options.get("num_gpus", 0)

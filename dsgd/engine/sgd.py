@@ -96,7 +96,7 @@ class DistributedSGD:
         replace_hung: a step or any other call (`get_weights`, `foreach_model`,
             `save_checkpoint`, ...) that times out (`step_timeout_s`) kills the
             actors that did not answer and recovers as if they had died
-            (replaced, the step retried or the call run once more on the new
+            (replaced, the step retried or the call run again on the new
             group), logging it; so does an actor that neither answers nor dies
             while a recovery probes it. Without it the call raises
             `StepTimeoutError`. A dead actor is replaced either way.

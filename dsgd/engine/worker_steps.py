@@ -320,11 +320,13 @@ class WorkerSteps:
         unchanged when none can say."""
 
         survivors = [k for k, out in outcome.items() if isinstance(out, (CompactAnswer, list))]
+        deadline = Deadline(f"{self.label}: a survivor's record of the metas",
+                            self.config.step_timeout_s)
         for k in survivors:
             try:
                 metas = fetch(self.workers[k].recent_reports.remote(self.seqs),
                               f"{self.label}: worker {k}'s record of the metas",
-                              self.config.step_timeout_s)
+                              deadline.left())
             except Exception:  # noqa: BLE001 - another survivor may say
                 continue
             return [(decision, sorted(m.slot for m in metas[seq] if m is not None)

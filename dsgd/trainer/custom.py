@@ -164,8 +164,7 @@ def custom_validate(worker, source: tuple, num_steps: int | None, info: dict | N
 
     operator = worker.models()[0].operator
     for replica in worker.models():
-        replica.begin_validation(info)
-        replica.eager = worker.replicas.eager
+        replica.begin_validation(info, worker.replicas.eager)
     iterator = validation_batches(worker, source)
     if num_steps is not None:
         iterator = itertools.islice(iterator, num_steps)

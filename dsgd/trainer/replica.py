@@ -195,7 +195,10 @@ class OperatorReplica(Model):
         return {"epoch": self.epoch, "batch_idx": self.batch_idx, **info}
 
     # -- validation --------------------------------------------------------------------------
-    def begin_validation(self, info: dict | None) -> None:
+    def begin_validation(self, info: dict | None, eager: bool = False) -> None:
+        """Reset the metrics for a validation pass with `info`; `eager`: its
+        batches run uncompiled (local mode)."""
+        self.eager = eager
         for metric in self.operator._metrics:
             metric.reset_state()
         if dict(info or {}) != self.val_info:
@@ -287,7 +290,7 @@ def validate_share(worker, source, num_steps: int | None,
         tally["last"] = out
 
     for replica in replicas:
-        replica.begin_validation(info)
+        replica.begin_validation(info, eager)
     if isinstance(source, OwnSource):
         for replica in replicas:
             for k, batch in enumerate(replica.own_validation_batches()):

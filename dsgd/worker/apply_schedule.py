@@ -52,13 +52,12 @@ class ApplySchedule:
         tl = timeline.recorder()
         step = exchange.seq & ((1 << 32) - 1)
         count = len(buckets.groups)
-        if self.plan.update == "in the next call" and self._next_in_call \
-                and not self.replicas.eager:
+        if self.plan.update == "in the next call" and self._next_in_call:
             means = self._read_means(exchange, buckets, tuple(range(count)))
             self._deferred = _Deferred(exchange, [means[j] for j in range(len(means))], step)
             return 0.0  # (counted in applied_steps once applied: `_deferred_applied`)
         stages = [tuple(range(count))]  # one update of everything, unless:
-        if self.plan.update != "now" and self.replicas.per_group_blocker is None:
+        if self.plan.update != "now" and self.plan.stages:
             ready = exchange.ready_prefix()
             nbytes = [sum(self.replicas.plan.shards[j].nbytes for j in g) for g in buckets.groups]
             if 0 < ready and sum(nbytes[ready:]) >= self.plan.split_min_share * sum(nbytes):

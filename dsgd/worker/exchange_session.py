@@ -14,6 +14,7 @@ import ray
 
 from dsgd import constants
 from dsgd.comm.reports import CompactAnswer, StepFailed, StepReport
+from dsgd.comm.sharding import ExchangeLayout
 from dsgd.errors import picklable_error
 
 
@@ -41,26 +42,37 @@ class StepPlan:
     with "arrive without compute" for a late worker sitting a step out or one
     whose data ended, and one abort (the step's exchange fails: nothing of it
     was applied here; see `exchange_steps`)."""
-    buckets: object          # ExchangeLayout: the groups that leave, each to its PS
+    buckets: ExchangeLayout  # the groups that leave, each to its PS
     during_backward: bool    # buckets leave during the backward pass (else after it)
     chosen: bool             # backup workers: PS 0 chooses each step's contributors
     # When the update runs (dsgd/worker/apply_schedule.py): "now", whole, once every
     # mean is in; "in stages": the buckets in at the decision first when at least
     # `split_min_share` of the gradient's bytes is still pending, the rest once in;
     # "in the next call": whole, inside the next step's compiled call when another
-    # step follows in the same exchange_steps call (else in stages).
+    # step follows in the same exchange_steps call (else as "in stages").
     update: str
-    split_min_share: float = constants.APPLY_SPLIT_MIN_PENDING
+    on_nonfinite: str        # a step with a non-finite gradient: "raise" or "skip"
+    # Whether an update may run in two stages: not when the optimizers cannot be
+    # applied in parts (Replicas.per_group_blocker says why).
+    stages: bool = True
+    split_min_share: float = constants.APPLY_SPLIT_MIN_SHARE
 
     @classmethod
-    def make(cls, layout, during_backward: bool, chosen: bool, update: str | None):
-        """The plan of `join` (`update`: see `checked_update`)."""
+    def make(cls, layout: ExchangeLayout, during_backward: bool, chosen: bool,
+             update: str | None, on_nonfinite: str, replicas) -> StepPlan:
+        """The plan of `join` (`update`: see `checked_update`), for this worker's
+        `replicas`: uncompiled ones (local mode) cannot run an update inside the
+        next step's compiled call (then "in stages"), and optimizers that cannot
+        be applied in parts run no update in stages."""
         from dsgd.comm.sharding import bucket_layout
 
         update = checked_update(during_backward, update)
+        if update == "in the next call" and replicas.eager:
+            update = "in stages"
         buckets = bucket_layout(layout, constants.BUCKET_MIN_BYTES) if during_backward \
             else layout
-        return cls(buckets, during_backward, chosen, update)
+        return cls(buckets, during_backward, chosen, update, on_nonfinite,
+                   stages=replicas.per_group_blocker is None)
 
 
 class ExchangeSession:
@@ -68,7 +80,7 @@ class ExchangeSession:
     kept across `exchange_steps` calls."""
 
     def _init_exchange(self) -> None:
-        self._exchange = None  # (PSClient, layout, on_nonfinite) after join()
+        self._client = None  # the PSClient of the exchange joined last (join)
         self.plan: StepPlan | None = None  # how the steps run (join)
         self._dead_ps: list[int] = []  # PS actors found dead by a fallback: replaced next
         self._late = False  # backup workers: dropped from the last step (exchange_steps)
@@ -100,8 +112,9 @@ class ExchangeSession:
         timeline.enable(f"worker {self.worker_index}", timeline_on)
         client = PSClient(ps, ps_names, rank, len(peers), timeout_s,
                           f"worker {self.worker_index}", peers=peers, need=need)
-        self.plan = StepPlan.make(layout, during_backward, client.choosing, update)
-        self._exchange = (client, layout, on_nonfinite)
+        self.plan = StepPlan.make(layout, during_backward, client.choosing, update,
+                                  on_nonfinite, self.replicas)
+        self._client = client
         self._step_exchanges.clear()
         self._dead_ps = []
         self._late = False
@@ -118,8 +131,8 @@ class ExchangeSession:
         averaged across local replicas, goes to the PS actors group by group with
         this worker's meta (dsgd/comm/commit.py); every worker reads the same
         means and metas back, decides the step alike (apply, skip, halt, epoch
-        end) and applies the means before the next step. With `overlap` (`join`)
-        each bucket leaves during the backward pass instead, the metas go to PS
+        end) and applies the means before the next step. With the plan's
+        `during_backward` (`join`) each bucket leaves during the backward pass instead, the metas go to PS
         0 once the step is computed, and the means are applied as they arrive
         (`_step`). `seqs[i]` numbers step
         i's exchange (the same on every worker); `datas` None: every step's
@@ -272,7 +285,7 @@ class ExchangeSession:
         buckets until PS 0 has chosen (`StepExchange.choose`, instead of gathering
         every meta) and then sums the contributors' parts only. A late worker
         whose next step is chosen already sits it out."""
-        client = self._exchange[0]
+        client = self._client
         start = time.perf_counter()
         label = f"step {self._step_number()}"
         self._check_ps_replaced(label)
@@ -312,7 +325,7 @@ class ExchangeSession:
         if self._dead_ps:
             dead = self._dead_ps
             raise died(f"worker {self.worker_index} {label}: PS actor(s) "
-                       f"{', '.join(self._exchange[0].names[j] for j in dead)} died (the last "
+                       f"{', '.join(self._client.names[j] for j in dead)} died (the last "
                        "step's means were made by the workers)", ps=dead)
 
     def _meta(self, report: StepReport):
@@ -392,13 +405,18 @@ class ExchangeSession:
             self._step_exchanges = {seq: exchange}
             self._keep_metas(seq, metas)
             return metas, None
-        chosen, metas, contributed = exchange.choose(mine)
-        self._late = not contributed
-        self._keep_metas(seq, self._by_rank(chosen, metas))
-        # (a worker of the last step's contributors may still be applying it: its
-        # fallback may ask for this worker's parts of it)
+        chosen = exchange.choose(mine)
+        self._contributors_known(seq, chosen)
+        return chosen.metas, chosen.mine
+
+    def _contributors_known(self, seq: int, chosen) -> None:
+        """(backup workers) Step `seq`'s contributors are `chosen` (a Chosen): this
+        worker is late unless one of them; their metas are kept (rank order); the
+        last step's exchange is kept too (a worker of its contributors may still
+        be applying it: its fallback may ask for this worker's parts of it)."""
+        self._late = not chosen.mine
+        self._keep_metas(seq, self._by_rank(chosen.ranks, chosen.metas))
         self._step_exchanges = {k: v for k, v in self._step_exchanges.items() if k >= seq - 1}
-        return metas, contributed
 
     def _decide_and_apply(self, exchange, metas: list) -> tuple:
         """Phases decide and apply: the step decided from the contributors' metas,
@@ -407,7 +425,7 @@ class ExchangeSession:
         applying); (None, 0.0) when the contributors' data ended."""
         from dsgd.comm import commit
 
-        decision = commit.decide(metas, self._exchange[2])
+        decision = commit.decide(metas, self.plan.on_nonfinite)
         if decision.action == commit.EPOCH_END:
             exchange.release_means()
             return None, 0.0
@@ -430,17 +448,17 @@ class ExchangeSession:
 
     def _by_rank(self, chosen: list[int], metas: list) -> list:
         """The contributors' `metas` (in `chosen` order) at their ranks, None elsewhere."""
-        full: list = [None] * self._exchange[0].world
+        full: list = [None] * self._client.world
         for r, m in zip(chosen, metas):
             full[r] = m
         return full
 
     def _arrive_without_compute(self, seq: int, exchange, start: float,
-                                chosen: tuple | None = None) -> StepReport:
+                                chosen=None) -> StepReport:
         """Phase arrive without compute: this worker sends no gradient for step
         `seq` (each PS drops its part, and needs none), either because it sits
         the step out (backup workers: a late worker whose step's contributors
-        are `chosen` already, PSClient.decided's (ranks, metas, _)) or because
+        are `chosen` already, PSClient.decided's Chosen) or because
         its data ended. Without backup workers an ended data ends the step for
         everyone (commit.decide raises unless every worker's epoch ended); with
         them the contributors may still have had data, and this worker decides
@@ -450,18 +468,16 @@ class ExchangeSession:
 
         sat_out = chosen is not None
         if sat_out:
-            exchange.sit_out(chosen[0])
+            exchange.sit_out(chosen.ranks)
         else:
             exchange.send_no_gradient()
             ended = commit.meta(self.worker_index, None, None)
             if not exchange.chosen_later:
-                commit.decide(exchange.metas(ended), self._exchange[2])
+                commit.decide(exchange.metas(ended), self.plan.on_nonfinite)
                 return StepReport(epoch_end=True)
             chosen = exchange.choose(ended)
-            self._late = not chosen[2]
-        ranks, metas = chosen[0], chosen[1]
-        self._step_exchanges = {k: v for k, v in self._step_exchanges.items() if k >= seq - 1}
-        self._keep_metas(seq, self._by_rank(ranks, metas))
+        self._contributors_known(seq, chosen)
+        metas = chosen.metas
         sent = time.perf_counter()
         decision, apply_s = self._decide_and_apply(exchange, metas)
         if decision is None:

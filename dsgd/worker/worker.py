@@ -84,7 +84,7 @@ class Worker(ExchangeSession, ApplySchedule, StepSpans):
                   warm_store_bytes: int = 0) -> Configured:
         """Compile the step for `plan` and warm `warm_store_bytes` of this process's
         object-store mapping (store.warm). Returns why the step cannot be applied
-        group by group (`apply_staged`), or None, as a `Configured`."""
+        group by group (`Replicas.apply_stage`), or None, as a `Configured`."""
         self.replicas.configure(plan, on_nonfinite)
         self.warmed_store_bytes = store.warm(warm_store_bytes)
         self._gc_frozen = False  # new functions: freeze again once they are traced
