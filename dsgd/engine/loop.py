@@ -65,7 +65,7 @@ class StepLoop:
         self._joined = None
         # The workers' step plan (StepPlan.make): buckets leave during the backward
         # pass or after it; when the update runs (None: the default for the first).
-        self._plan: tuple[bool, str | None] = (config.during_backward, None)
+        self._during_backward, self._update = config.during_backward, None
 
     def run(self, entry: FeedEntry | None, count: int | None) -> Iterator[StepResult]:
         """`count` steps (None: until the caller stops, which then must not need
@@ -264,7 +264,8 @@ class StepLoop:
             ps_client.enable_timeline(ps, True)
         self.actors.wait([w.join.remote(rank, workers, ps, names, self.topology.layout,
                                         self.config.step_timeout_s, self.config.on_nonfinite,
-                                        need, recording, *self._plan)
+                                        need, recording, during_backward=self._during_backward,
+                                        update=self._update)
                           for rank, w in enumerate(workers)], workers,
                          "joining the exchange", self.config.step_timeout_s)
         self._joined = key
@@ -277,7 +278,7 @@ class StepLoop:
         from dsgd.worker.exchange_session import checked_update
 
         checked_update(during_backward, update)
-        self._plan = (during_backward, update)
+        self._during_backward, self._update = during_backward, update
         self._joined = None
 
     def _ps_timeline(self) -> None:

@@ -178,12 +178,14 @@ class ExchangeStep:
         for k, stream in zip(self._running, self._streams):
             pending[id(stream)], streams[id(stream)] = k, stream
         arrived: dict[int, dict] = {}
+        def stalled(_, waited_s: float) -> None:
+            computing = sorted(self.actors.name(self.workers[k]) for k in pending.values())
+            logger.warning("stall: %s: %d of the %d workers the step needs answered after "
+                           "%.0f s; computing: %s", what, len(arrived), self.need, waited_s,
+                           ", ".join(computing))
+
         deadline = Deadline(what, self.time_left(), stall_s=self.config.stall_report_s,
-                            on_stall=lambda _, waited_s: logger.warning(
-                                "stall: %s: %d of the %d workers the step needs answered "
-                                "after %.0f s; computing: %s", what, len(arrived), self.need,
-                                waited_s, ", ".join(sorted(self.actors.name(self.workers[k])
-                                                           for k in pending.values()))))
+                            on_stall=stalled)
         while len(arrived) < self.need:
             if len(arrived) + len(pending) < self.need and \
                     not self._recruit(pending, streams, deadline):
