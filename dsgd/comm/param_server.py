@@ -118,7 +118,7 @@ class ParameterServer:
     @ray.method(concurrency_group=RENDEZVOUS)
     def reduce(self, seq: int, rank: int, world: int, shards: tuple[Shard, ...],
                pieces: tuple[np.ndarray, ...] | None, scale: float | None = None,
-               bucket: int | None = None, chosen_later: bool = False) -> list:
+               bucket: int | None = None, chosen_later: bool = False, meta=None) -> list:
         """Worker `rank`'s part of exchange `seq`: its pieces of a group of shards
         (as `mean` takes one worker's group; read-only store views). Blocks
         until all `world` workers' parts arrived, at most `rendezvous_timeout_s`
@@ -128,8 +128,14 @@ class ParameterServer:
         ObjectRef of the result, put in the store once for all callers instead of
         copied into each caller's reply. The result is a tuple with one array
         per shard, or None when a worker sent `pieces=None` (no gradient: an
-        epoch's end, an error; the engine's steps decide from the metas, which
-        PS 0 gathers apart, `gather` and `choose`).
+        epoch's end, an error; the engine's steps decide from the metas).
+
+        `meta` (the engine's steps after the backward pass: every worker's meta
+        travels with its part of bucket 0, dsgd/comm/commit.py): the result is
+        `(means, metas)`, metas in rank order, so that the step is decided from
+        the same round that brings the mean. Every rank of a meeting passes one
+        or none. (During the backward pass PS 0 gathers the metas apart,
+        `gather`; with backup workers `choose` does.)
 
         Exchange numbers carry an attempt in their high bits (`seq >> 32`): the
         first part of a newer attempt ends every pending exchange of older ones
@@ -148,20 +154,22 @@ class ParameterServer:
         import ray
 
         needed = None if chosen_later else tuple(range(world))
+        with_metas = meta is not None
 
         def combine(parts, ranks):
             # Summed into the reused scratch buffers (fresh pages would cost a first
             # touch each time), then put once; the lock keeps two exchanges that
             # finish together on this PS from sharing the scratch.
-            values = [parts[r] for r in ranks]
+            values = [parts[r][0] if with_metas else parts[r] for r in ranks]
             with self._scratch_lock, timeline.recorder().span(
                     "sum group", "sum", exchange=seq & ((1 << ATTEMPT_SHIFT) - 1),
                     workers=len(ranks)):
                 means = None if any(v is None for v in values) else \
                     self._means(shards, values, scale)
-                return [ray.put(means)]
+                return [ray.put((means, [parts[r][1] for r in ranks]) if with_metas
+                                else means)]
 
-        part, pieces = pieces, None  # (the meeting holds it, not this frame)
+        part, pieces = (pieces, meta) if with_metas else pieces, None  # (the meeting holds it)
         key = ("reduce", seq) if bucket is None else ("reduce", seq, bucket)
         return self._rendezvous(key, rank, world, part, needed, combine)
 

@@ -108,12 +108,15 @@ class PSClient:
         j's pieces in wire dtype (the worker's compiled step makes them so)."""
         return self._exchange(layout, pieces, self.next_seq(), scale, label)
 
-    def step_exchange(self, layout: ExchangeLayout, seq: int, label: str) -> StepExchange:
+    def step_exchange(self, layout: ExchangeLayout, seq: int, label: str,
+                      metas_with_gradient: bool = False) -> StepExchange:
         """One engine step's exchange, numbered `seq`, sent group by group while the
         step is computed (`StepExchange`: send each group as soon as it exists, then
         the metas, then read the means as they arrive). `layout`'s groups are
-        the step plan's buckets (`sharding.bucket_layout`'s, or the PS groups)."""
-        return StepExchange(self, layout, seq, label)
+        the step plan's buckets (`sharding.bucket_layout`'s, or the PS groups).
+        `metas_with_gradient`: the metas travel with group 0's parts (one round;
+        the gradient is whole before the meta is made) instead of PS 0's gather."""
+        return StepExchange(self, layout, seq, label, metas_with_gradient)
 
     # -- backup workers: the first `need` of the workers make a step --------------------------
     def choose(self, seq: int, meta: Meta, label: str) -> Chosen:
@@ -275,8 +278,11 @@ class StepExchange:
        calls the group's PS; returns at once. The PS sums once every worker's
        part is in.
     2. `metas(meta)` once the step is computed: every worker's meta (rank order)
-       through PS 0, so that every worker decides the step alike (commit.py)
-       before any replica applies anything. Blocks.
+       through PS 0's gather, or with group 0's parts (`metas_with_gradient`:
+       group 0's part is held by `send` until the meta is made, and its PS
+       returns the metas with its mean: one round), so that every worker
+       decides the step alike (commit.py) before any replica applies anything.
+       Blocks.
     3. `mean(g)`: group g's mean, waiting for it if needed. A group whose PS died
        is averaged here from every worker's part (their writers keep them:
        `parts`, asked of the peers through `Worker.parts_of`), with the PS's own
@@ -288,8 +294,12 @@ class StepExchange:
     every worker has applied the step: the next step's metas, or the end of
     its call)."""
 
-    def __init__(self, client: PSClient, layout: ExchangeLayout, seq: int, label: str):
+    def __init__(self, client: PSClient, layout: ExchangeLayout, seq: int, label: str,
+                 metas_with_gradient: bool = False):
         self.client, self.layout, self.seq, self.label = client, layout, seq, label
+        # The group whose parts carry the metas (`metas`), or None: PS 0 gathers them.
+        self.metas_group = 0 if metas_with_gradient and not client.choosing else None
+        self._held: tuple | None = None  # (metas_group's part, until the meta is made)
         self.answers: list = [None] * len(layout.groups)  # each group's reduce call
         self.parts: list = [None] * len(layout.groups)    # this worker's part of each group
         self.fell_back: list[int] = []  # the groups whose mean `fallback` made (their PS died)
@@ -302,17 +312,23 @@ class StepExchange:
         self._means: dict = {}  # group -> its mean, read ahead by `collect`
         self._lock = threading.Lock()
 
-    def send(self, g: int, part: tuple | None) -> None:
+    def send(self, g: int, part: tuple | None, meta: Meta | None = None) -> None:
         """Send group `g`'s pieces `part` (a tuple of 1-D arrays, as `reduce_pieces`
         sends a group; None: no gradient, e.g. at an epoch's end). The arrays
-        are copied before this returns. Does not wait for the PS."""
+        are copied before this returns. Does not wait for the PS. The group
+        that carries the metas (`metas_group`) is only held here: `metas`
+        sends it, with this worker's `meta`."""
         import ray
 
+        if g == self.metas_group and meta is None:
+            self._held = (part,)
+            return
         tl = timeline.recorder()
         start = time.time() if tl.on else 0.0
         ref = None if part is None else ray.put(part)
         client, ps = self.client, self.layout.ps_of_group[g]
-        later = {"chosen_later": True} if self.chosen_later else {}
+        later = {"chosen_later": True} if self.chosen_later else \
+            {"meta": meta} if meta is not None else {}
         answer = client.ps[ps].reduce.remote(self.seq, client.rank, client.world,
                                              self.layout.shards(g), ref, bucket=g, **later)
         with self._lock:
@@ -327,7 +343,7 @@ class StepExchange:
         """Send every group not sent yet with no gradient (this worker's step
         ended early: an epoch's end or an error), so no PS waits for it."""
         for g, answer in enumerate(self.answers):
-            if answer is None:
+            if answer is None and g != self.metas_group:  # (that one: `metas`)
                 self.send(g, None)
 
     def sit_out(self, chosen) -> None:
@@ -338,12 +354,24 @@ class StepExchange:
         self.send_no_gradient()
 
     def metas(self, meta: Meta) -> list[Meta]:
-        """Every worker's `meta` of this step, in rank order (PS 0 gathers them).
-        While waiting, reads the means already summed (`collect`). Blocks, at
-        most the client's `timeout_s`; a dead peer or PS 0 ends the wait at once
-        (nothing of the step is applied anywhere before this)."""
+        """Every worker's `meta` of this step, in rank order: PS 0 gathers them
+        (while waiting, reads the means already summed: `collect`), or they come
+        back with group 0's mean (`metas_group`: its part, held by `send`, or
+        none, leaves now with `meta`). Blocks, at most the client's `timeout_s`;
+        a dead peer or the PS that gathers ends the wait at once (nothing of the
+        step is applied anywhere before this)."""
 
         client = self.client
+        if self.metas_group is not None:
+            g, ps = self.metas_group, self.layout.ps_of_group[self.metas_group]
+            self.send(g, self._held[0] if self._held else None, meta)
+            self._held = None
+            answer = client._wait([self.answers[g]], [ps], self.seq, self.label)[0]
+            means, metas = fetch(answer[0], f"{self.label}: group {g}'s mean and the metas",
+                                 max(1.0, client.timeout_s))
+            if means is not None:
+                self._means[g] = means
+            return metas
         ref = client.ps[0].gather.remote(self.seq, client.rank, client.world, meta)
         if not ready([ref], fetch_local=False)[0]:
             self.collect()
@@ -393,6 +421,7 @@ class StepExchange:
         except Exception:  # noqa: BLE001 - a failed group is `mean`'s to name or average
             return
         for (g, _), m in zip(local, means):
+            m = self._mean_of(g, m)
             if m is not None:
                 self._means[g] = m
 
@@ -419,8 +448,14 @@ class StepExchange:
         except actor_died_errors():  # (ObjectLostError included) each group is `mean`'s
             return
         for g, m in zip(todo, means):
+            m = self._mean_of(g, m)
             if m is not None:
                 self._means[g] = m
+
+    def _mean_of(self, g: int, result):
+        """Group `g`'s mean in its PS's `result` (the metas' group's carries the
+        metas too: `metas`)."""
+        return result[0] if g == self.metas_group and result is not None else result
 
     def release_means(self) -> None:
         """Drop the references to the PS actors' results (the step is applied), so
@@ -451,8 +486,8 @@ class StepExchange:
         try:
             result_ref = client._wait([self.answers[g]], [ps], self.seq, self.label,
                                       watch=self.chosen)[0][0]
-            means = fetch(result_ref, f"{self.label}: group {g}'s mean",
-                          max(1.0, client.timeout_s))
+            means = self._mean_of(g, fetch(result_ref, f"{self.label}: group {g}'s mean",
+                                           max(1.0, client.timeout_s)))
         except (*actor_died_errors(), ray.exceptions.ObjectLostError) as e:
             dead = getattr(e, "dead_ps", None)
             if dead is not None and ps not in dead:

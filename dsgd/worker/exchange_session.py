@@ -57,6 +57,14 @@ class StepPlan:
     stages: bool = True
     split_min_share: float = constants.APPLY_SPLIT_MIN_SHARE
 
+    @property
+    def metas_with_gradient(self) -> bool:
+        """Whether every worker's meta travels with its part of bucket 0, whose PS
+        returns the metas with the mean (one round: after the backward pass,
+        without backup workers), rather than through PS 0's gather (during the
+        backward pass the meta is made after the buckets leave) or `choose`."""
+        return not self.during_backward and not self.chosen
+
     @classmethod
     def make(cls, layout: ExchangeLayout, during_backward: bool, chosen: bool,
              update: str | None, on_nonfinite: str, replicas) -> StepPlan:
@@ -292,7 +300,8 @@ class ExchangeSession:
         chosen = client.decided(seq, label) if self.plan.chosen and self._late else None
         if chosen is not None:
             self._apply_deferred()  # (a step of its own kept for this call: applied first)
-        exchange = client.step_exchange(self._buckets, seq, label)
+        exchange = client.step_exchange(self._buckets, seq, label,
+                                        self.plan.metas_with_gradient)
         self._step_exchanges[seq] = exchange
         if chosen is not None:
             return self._arrive_without_compute(seq, exchange, start, chosen)
@@ -395,7 +404,8 @@ class ExchangeSession:
     def _arrive(self, seq: int, exchange, mine: dict) -> tuple[list, bool | None]:
         """Phase arrive: (every contributor's meta, in rank order of the
         contributors; whether this worker is one, None without backup workers).
-        PS 0 gathers every worker's meta, or with backup workers names the first
+        Every worker's meta comes with bucket 0's mean or from PS 0's gather
+        (`StepPlan.metas_with_gradient`), or with backup workers PS 0 names the first
         `need`. Keeps this step's `StepExchange` while a peer may still ask for
         its parts, and the metas for reports."""
         if not exchange.chosen_later:
