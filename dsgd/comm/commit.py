@@ -3,7 +3,7 @@ made by every worker from the same inputs.
 
 Each worker sends PS 0 a small `meta` once its gradient is computed (its replicas'
 finiteness, its metric names, or that its data ended its epoch), with its part of
-bucket 0 after the backward pass or to PS 0's gather during it, and receives
+PS 0's group after the backward pass or to PS 0's gather during it, and receives
 every worker's back through PS 0 (dsgd/comm/ps_client.py `StepExchange.metas`).
 `decide` turns those metas into the step's fate before any replica applies
 anything; all workers decide alike, so replicas stay identical without asking

@@ -131,7 +131,7 @@ class ParameterServer:
         epoch's end, an error; the engine's steps decide from the metas).
 
         `meta` (the engine's steps after the backward pass: every worker's meta
-        travels with its part of bucket 0, dsgd/comm/commit.py): the result is
+        travels with its part of PS 0's group, dsgd/comm/commit.py): the result is
         `(means, metas)`, metas in rank order, so that the step is decided from
         the same round that brings the mean. Every rank of a meeting passes one
         or none. (During the backward pass PS 0 gathers the metas apart,

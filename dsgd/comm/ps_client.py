@@ -114,8 +114,9 @@ class PSClient:
         step is computed (`StepExchange`: send each group as soon as it exists, then
         the metas, then read the means as they arrive). `layout`'s groups are
         the step plan's buckets (`sharding.bucket_layout`'s, or the PS groups).
-        `metas_with_gradient`: the metas travel with group 0's parts (one round;
-        the gradient is whole before the meta is made) instead of PS 0's gather."""
+        `metas_with_gradient`: the metas travel with the parts of PS 0's group (one
+        round; the gradient is whole before the meta is made) instead of PS 0's
+        gather."""
         return StepExchange(self, layout, seq, label, metas_with_gradient)
 
     # -- backup workers: the first `need` of the workers make a step --------------------------
@@ -278,9 +279,10 @@ class StepExchange:
        calls the group's PS; returns at once. The PS sums once every worker's
        part is in.
     2. `metas(meta)` once the step is computed: every worker's meta (rank order)
-       through PS 0's gather, or with group 0's parts (`metas_with_gradient`:
-       group 0's part is held by `send` until the meta is made, and its PS
-       returns the metas with its mean: one round), so that every worker
+       through PS 0's gather, or with the parts of PS 0's group
+       (`metas_with_gradient`: that part is put by `send` and PS 0 is called once
+       the meta is made; it returns the metas with the mean: one round), so
+       that every worker
        decides the step alike (commit.py) before any replica applies anything.
        Blocks.
     3. `mean(g)`: group g's mean, waiting for it if needed. A group whose PS died
@@ -297,9 +299,11 @@ class StepExchange:
     def __init__(self, client: PSClient, layout: ExchangeLayout, seq: int, label: str,
                  metas_with_gradient: bool = False):
         self.client, self.layout, self.seq, self.label = client, layout, seq, label
-        # The group whose parts carry the metas (`metas`), or None: PS 0 gathers them.
-        self.metas_group = 0 if metas_with_gradient and not client.choosing else None
-        self._held: tuple | None = None  # (metas_group's part, until the meta is made)
+        # The group whose parts carry the metas (`metas`): PS 0's first, as PS 0 is the
+        # step's one rendezvous whichever way the metas travel; None: PS 0 gathers them.
+        self.metas_group = layout.ps_of_group.index(0) \
+            if metas_with_gradient and not client.choosing else None
+        self._held = None  # (metas_group's part, put, until the meta is made: `send`)
         self.answers: list = [None] * len(layout.groups)  # each group's reduce call
         self.parts: list = [None] * len(layout.groups)    # this worker's part of each group
         self.fell_back: list[int] = []  # the groups whose mean `fallback` made (their PS died)
@@ -312,20 +316,25 @@ class StepExchange:
         self._means: dict = {}  # group -> its mean, read ahead by `collect`
         self._lock = threading.Lock()
 
-    def send(self, g: int, part: tuple | None, meta: Meta | None = None) -> None:
+    def send(self, g: int, part: tuple | None) -> None:
         """Send group `g`'s pieces `part` (a tuple of 1-D arrays, as `reduce_pieces`
         sends a group; None: no gradient, e.g. at an epoch's end). The arrays
         are copied before this returns. Does not wait for the PS. The group
-        that carries the metas (`metas_group`) is only held here: `metas`
-        sends it, with this worker's `meta`."""
+        that carries the metas (`metas_group`) is only put here: `metas` calls
+        its PS, with this worker's meta."""
         import ray
 
-        if g == self.metas_group and meta is None:
-            self._held = (part,)
-            return
-        tl = timeline.recorder()
-        start = time.time() if tl.on else 0.0
+        start = time.time()
         ref = None if part is None else ray.put(part)
+        if g == self.metas_group:
+            self._held = ref
+            return
+        self._call(g, ref, start)
+
+    def _call(self, g: int, ref, start: float, meta: Meta | None = None) -> None:
+        """Call group `g`'s PS with this worker's part `ref` (put at `start`; None:
+        no gradient) and, for the metas' group, its `meta`."""
+        tl = timeline.recorder()
         client, ps = self.client, self.layout.ps_of_group[g]
         later = {"chosen_later": True} if self.chosen_later else \
             {"meta": meta} if meta is not None else {}
@@ -336,7 +345,7 @@ class StepExchange:
                 raise RuntimeError(f"{client.what} {self.label}: group {g} sent twice")
             self.answers[g], self.parts[g] = answer, ref
         if tl.on:
-            tl.add(f"send group {g}" if part is not None else f"join group {g}", "send",
+            tl.add(f"send group {g}" if ref is not None else f"join group {g}", "send",
                    start, time.time(), ps=ps, exchange=self.seq & _STEP_BITS)
 
     def send_no_gradient(self) -> None:
@@ -356,15 +365,15 @@ class StepExchange:
     def metas(self, meta: Meta) -> list[Meta]:
         """Every worker's `meta` of this step, in rank order: PS 0 gathers them
         (while waiting, reads the means already summed: `collect`), or they come
-        back with group 0's mean (`metas_group`: its part, held by `send`, or
-        none, leaves now with `meta`). Blocks, at most the client's `timeout_s`;
-        a dead peer or the PS that gathers ends the wait at once (nothing of the
-        step is applied anywhere before this)."""
+        back with the mean of PS 0's group (`metas_group`: its part, put by
+        `send`, or none, goes to PS 0 now with `meta`). Blocks, at most the
+        client's `timeout_s`; a dead peer or PS 0 ends the wait at once (nothing
+        of the step is applied anywhere before this)."""
 
         client = self.client
         if self.metas_group is not None:
             g, ps = self.metas_group, self.layout.ps_of_group[self.metas_group]
-            self.send(g, self._held[0] if self._held else None, meta)
+            self._call(g, self._held, time.time(), meta)
             self._held = None
             answer = client._wait([self.answers[g]], [ps], self.seq, self.label)[0]
             means, metas = fetch(answer[0], f"{self.label}: group {g}'s mean and the metas",

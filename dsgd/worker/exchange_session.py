@@ -59,8 +59,8 @@ class StepPlan:
 
     @property
     def metas_with_gradient(self) -> bool:
-        """Whether every worker's meta travels with its part of bucket 0, whose PS
-        returns the metas with the mean (one round: after the backward pass,
+        """Whether every worker's meta travels with its part of PS 0's group, and
+        PS 0 returns the metas with the mean (one round: after the backward pass,
         without backup workers), rather than through PS 0's gather (during the
         backward pass the meta is made after the buckets leave) or `choose`."""
         return not self.during_backward and not self.chosen
@@ -404,7 +404,7 @@ class ExchangeSession:
     def _arrive(self, seq: int, exchange, mine: dict) -> tuple[list, bool | None]:
         """Phase arrive: (every contributor's meta, in rank order of the
         contributors; whether this worker is one, None without backup workers).
-        Every worker's meta comes with bucket 0's mean or from PS 0's gather
+        Every worker's meta comes with PS 0's group's mean or from PS 0's gather
         (`StepPlan.metas_with_gradient`), or with backup workers PS 0 names the first
         `need`. Keeps this step's `StepExchange` while a peer may still ask for
         its parts, and the metas for reports."""
