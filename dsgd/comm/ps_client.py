@@ -236,7 +236,6 @@ class PSClient:
                  label: str, kind: str) -> StepTimeoutError:
         """Who did not arrive: the PS actors whose answer is pending but which hold
         every part (hung), and the workers that the other PS actors still miss."""
-
         late_ps = sorted({owners[refs.index(r)] for r in pending})
         missing: set[int] = set()
         if seq is not None:
@@ -369,7 +368,6 @@ class StepExchange:
         `send`, or none, goes to PS 0 now with `meta`). Blocks, at most the
         client's `timeout_s`; a dead peer or PS 0 ends the wait at once (nothing
         of the step is applied anywhere before this)."""
-
         client = self.client
         if self.metas_group is not None:
             g, ps = self.metas_group, self.layout.ps_of_group[self.metas_group]
@@ -407,11 +405,8 @@ class StepExchange:
         """Read every group's mean that is summed and already in this node's store
         (kept for `mean`); a group whose answer failed is left to `mean`. Does
         not block: a mean summed on another node is left for `read`, which pulls
-        every remaining mean at once. (Pulled here, every worker would pull the
-        means summed first from their PS at once, then the rest: two rounds, each
-        keeping only some PS's uplinks busy. 8 emulated nodes, default layout,
-        overlapped: 5.5-5.9 s a step against 4.0 s after the backward pass.)"""
-
+        every remaining mean at once (pulled here, in two rounds, each keeping
+        only some PS's uplinks busy: docs/scaling.md)."""
         waiting = [(g, a) for g, a in enumerate(self.answers)
                    if a is not None and g not in self._means]
         if not waiting:
@@ -436,15 +431,13 @@ class StepExchange:
 
     def read(self, groups: Sequence[int]) -> None:
         """Read the means of `groups` in parallel: wait for every group's answer,
-        then pull every mean at once (kept for `mean`). Read one after the
-        other, every worker would pull group 0's mean from one PS's node, then
-        group 1's from the next: one PS's NIC at a time serving every worker.
-        A dead actor or a lost object leaves every group to `mean` (which names a
-        dead PS or averages the group from the workers' parts); a timeout or any
-        other error is raised. Waits for every group's answer before pulling (the
+        then pull every mean at once (kept for `mean`; one after the other, one
+        PS's NIC at a time would serve every worker). A dead actor or a lost
+        object leaves every group to `mean` (which names a dead PS or averages
+        the group from the workers' parts); a timeout or any other error is
+        raised. Waits for every group's answer before pulling (the
         means of a stage come from the PS's last sums, close together). Blocks,
         at most the client's `timeout_s`; a dead peer or PS ends the wait at once."""
-
         client = self.client
         todo = [g for g in groups if g not in self._means and self.answers[g] is not None]
         if len(todo) < 2:
@@ -517,7 +510,6 @@ class StepExchange:
         contributor's), computed here as its PS would (the PS died): each peer
         is asked for its part (`Worker.parts_of`).
         Blocks, at most the client's `timeout_s`."""
-
         from dsgd.comm.means import group_means
 
         client = self.client
@@ -578,7 +570,6 @@ def collect_timeline_events(actors: Sequence, timeout_s: float) -> list[dict]:
     """(driver side) Every actor's timeline events since the last such call, in
     `actors` order; an actor that does not answer within `timeout_s` (or died)
     is left out, its events lost with it. Blocks, at most `timeout_s`."""
-
     refs = [timeline_events(a) for a in actors]
     answered = Deadline("timeline events", timeout_s).wait(refs)[0]
     events: list[dict] = []
@@ -592,7 +583,6 @@ def waiting(ps: Sequence, timeout_s: float) -> dict[int, set[int]]:
     """(driver side) {exchange number: ranks not arrived} over every live PS in
     `ps`, for the exchanges some worker waits in; PS actors that do not answer
     within `timeout_s` are left out. Blocks, at most `timeout_s`."""
-
     refs = [p.waiting.remote() for p in ps if p is not None]
     missing: dict[int, set[int]] = {}
     what = "the PS actors' waiting exchanges"
