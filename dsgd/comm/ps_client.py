@@ -281,9 +281,8 @@ class StepExchange:
        through PS 0's gather, or with the parts of PS 0's group
        (`metas_with_gradient`: that part is put by `send` and PS 0 is called once
        the meta is made; it returns the metas with the mean: one round), so
-       that every worker
-       decides the step alike (commit.py) before any replica applies anything.
-       Blocks.
+       that every worker decides the step alike (commit.py) before any replica
+       applies anything. Blocks.
     3. `mean(g)`: group g's mean, waiting for it if needed. A group whose PS died
        is averaged here from every worker's part (their writers keep them:
        `parts`, asked of the peers through `Worker.parts_of`), with the PS's own
