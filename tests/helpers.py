@@ -186,15 +186,19 @@ def holders() -> str:
 
 
 def drained_usage(timeout_s: float = 60.0, interval_s: float = 0.1,
-                  baseline: dict | None = None) -> dict:
+                  baseline: dict | None = None, settle_s: float = 0.5) -> dict:
     """`usage()` once the store has drained down to `baseline`'s object count
-    (default: empty), or the last reading after `timeout_s`.
+    (default: empty) and two readings `settle_s` apart agree, or the last reading
+    after `timeout_s`.
 
     Ray frees objects asynchronously: right after a step, that step's shards are
     typically still in the store for a moment (benchmarks/design_measurements.md).
     When nothing holds a reference, the store must drain back to what it held
     before (objects of others, e.g. blocks Ray Data keeps for a dataset); a store
-    that does not is leaking."""
+    that does not is leaking. The settling matters where `baseline` is stale:
+    objects of others freed since it was read put the store below it at once,
+    with this caller's last objects still being freed (CI, 2026-11-29: a reading
+    taken at once held the last steps' 19 objects)."""
     import gc
     import time
 
@@ -202,9 +206,16 @@ def drained_usage(timeout_s: float = 60.0, interval_s: float = 0.1,
     gc.collect()  # drop unreachable ObjectRefs held in reference cycles
     deadline = time.monotonic() + timeout_s
     reading = usage()
-    while reading["num_objects"] > target and time.monotonic() < deadline:
-        time.sleep(interval_s)
-        reading = usage()
+    while time.monotonic() < deadline:
+        if reading["num_objects"] > target:
+            time.sleep(interval_s)
+            reading = usage()
+            continue
+        time.sleep(settle_s)
+        again = usage()
+        if again == reading:
+            break
+        reading = again
     return reading
 
 
