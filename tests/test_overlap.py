@@ -68,6 +68,7 @@ def test_buckets_never_exceed_the_ps_threads_whatever_the_shard_sizes():
     import random
 
     from dsgd import constants
+    from dsgd.comm.sharding import ReadyProfile
 
     rng = random.Random(7)
     for _ in range(200):
@@ -77,9 +78,33 @@ def test_buckets_never_exceed_the_ps_threads_whatever_the_shard_sizes():
         num_ps = rng.randint(1, 16)
         plan = plan_shards(shapes, ["float32"] * len(shapes), shard_bytes)
         layout = exchange_layout(plan, min(num_ps, plan.num_shards))
-        buckets = bucket_layout(layout, constants.BUCKET_MIN_BYTES)
-        assert len(buckets.groups) <= constants.MAX_BUCKETS_PER_PS * layout.num_ps + 1
-        assert sorted(j for b in buckets.groups for j in b) == list(range(plan.num_shards))
+        ready = sorted(rng.random() for _ in range(plan.num_shards))  # (buckets by deadline)
+        profile = ReadyProfile(tuple(ready), 1.0, rng.choice([1e8, 1e9, 1e10]), num_ps + 1)
+        for buckets in (bucket_layout(layout, constants.BUCKET_MIN_BYTES),
+                        bucket_layout(layout, 64 * 1024, profile)):
+            assert len(buckets.groups) <= constants.MAX_BUCKETS_PER_PS * layout.num_ps + 1
+            assert sorted(j for b in buckets.groups for j in b) == list(range(plan.num_shards))
+
+
+def test_deadline_buckets_are_large_early_and_small_as_the_backward_pass_ends():
+    from dsgd.comm.sharding import ReadyProfile
+
+    plan = plan_shards([(65536,)] * 16, ["float32"] * 16, 256 * 1024)  # 16 shards of 256 KiB
+    layout = exchange_layout(plan, 4)  # one PS's share: 1 MiB; the floor: 4 MiB / (4 x 4)
+    # Shard j made at 10 j ms, the backward pass ends at 160 ms; a 256 KiB bucket's fan-in
+    # and fan-out through its PS (5 workers) take 10 ms.
+    profile = ReadyProfile(tuple(0.01 * j for j in range(16)), 0.16, 8 * 256 * 1024 / 0.01, 5)
+    assert profile.exchange_s(256 * 1024) == pytest.approx(0.01)
+    buckets = bucket_layout(layout, 256 * 1024, profile)
+    assert [len(b) for b in buckets.groups] == [4, 4, 4, 2, 1, 1]  # closed at one share, then
+    # when the next shard would end its exchange after 160 ms (shards 12-13: 130 + 20 ms)
+    for b in buckets.groups[:-2]:
+        nbytes = sum(plan.shards[j].nbytes for j in b)
+        assert profile.ready_s[b[-1]] + profile.exchange_s(nbytes) <= profile.end_s
+    assert buckets.ps_of_group == (0, 1, 2, 3, 3, 3)  # each on the PS least loaded so far
+    # Without a profile: the rule by size (at least 256 KiB: one shard each; 1 MiB: one share).
+    assert [len(b) for b in bucket_layout(layout, 256 * 1024).groups] == [1] * 16
+    assert [len(b) for b in bucket_layout(layout, 1 << 20).groups] == [4, 4, 4, 4]
 
 
 class _Client:

@@ -144,6 +144,8 @@ def test_re_rating_on_a_grid_agrees_with_exact_re_rating(algorithm):
 @pytest.mark.parametrize("algorithm, options", [
     ("dsgd", {"shard_bytes": 4 * MIB, "num_ps": 16}),
     ("dsgd", {"shard_bytes": 4 * MIB, "num_ps": 16, "prefetch": True}),
+    ("dsgd", {"shard_bytes": MIB, "num_ps": 16, "prefetch": True,
+              "deadline_min_bytes": 256 * 1024}),
     ("dsgd", {"shard_bytes": 4 * MIB, "num_ps": 4, "overlap": False}),
     ("byteps", {}),
 ])
@@ -263,3 +265,25 @@ def test_cutting_the_tail_over_more_ps_keeps_the_bytes_and_spreads_the_last_buck
                      link_log=log)
         moved.append(sum(m[4] for m in log))
     assert moved[1] == pytest.approx(moved[0])
+
+
+def test_deadline_buckets_are_the_codes_layout_and_shrink_toward_the_backward_end():
+    """The what-if `deadline_min_bytes` runs `bucket_layout` with the workload's
+    profile: the same groups, the later-made ones no larger than the early ones'
+    (the sleepy model's 4 MiB layers, 1 MiB shards, 8 workers on 8 PS), the
+    gradient's bytes unchanged."""
+    from dsgd.comm.sharding import ReadyProfile, bucket_layout, exchange_layout, spread_plan
+
+    w = profiles.sleepy_workload(8, 0.005, 0.01)
+    hw = sim.Hardware(link_bw=0.5e9, link_latency_s=0.0, gpu=False)
+    groups, num_ps = sim.dsgd_layout(w, 8, MIB, 8, None, True, link_bw=hw.link_bw,
+                                     deadline_min_bytes=256 * 1024)
+    plan = spread_plan(list(w.shapes), ["float32"] * len(w.shapes), MIB, 8)
+    ready = tuple(max(w.ready_s[p.var_index] for p in s.pieces) for s in plan.shards)
+    code = bucket_layout(exchange_layout(plan, num_ps), 256 * 1024,
+                         ReadyProfile(ready, w.compute_s, hw.link_bw, 8))
+    assert [(g[0], g[1]) for g in groups] == [
+        (sum(plan.shards[j].nbytes for j in b), ps) for b, ps in zip(code.groups, code.ps_of_group)]
+    sizes = [g[0] for g in groups]
+    assert sum(sizes) == sum(s.nbytes for s in plan.shards)
+    assert sizes[-1] < max(sizes)  # (the last-made bucket: small)

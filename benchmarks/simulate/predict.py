@@ -276,6 +276,59 @@ def what_if_markdown(rows: list[dict]) -> str:
     return head + body
 
 
+# Buckets closed by deadline (`bucket_layout` with a `ReadyProfile`: what the engine
+# would do with a measured gradient-ready profile; not built there yet), on shards
+# of at most DEADLINE_SHARD_BYTES so that the last-made bytes can form small buckets,
+# none under DEADLINE_MIN_BYTES: (name, sim.simulate options).
+DEADLINE_SHARD_BYTES, DEADLINE_MIN_BYTES = 500_000, 128 * 1024
+DEADLINE_WHAT_IFS = [
+    ("as built (default layout)", {}),
+    ("as built, each mean pulled as soon as summed", {"prefetch": True}),
+    ("buckets by deadline", {"shard_bytes": DEADLINE_SHARD_BYTES,
+                             "deadline_min_bytes": DEADLINE_MIN_BYTES}),
+    ("buckets by deadline, each mean pulled as soon as summed",
+     {"shard_bytes": DEADLINE_SHARD_BYTES, "deadline_min_bytes": DEADLINE_MIN_BYTES,
+      "prefetch": True}),
+]
+
+
+def what_if_deadline(costs: sim.Costs, workers=WORKERS) -> list[dict]:
+    """What would: dsgd (ResNet-50, V100, 25 Gb/s, one GPU per worker, one PS per
+    node) with its buckets closed by deadline from the workload's gradient-ready
+    profile (`sim.dsgd_layout`'s `deadline_min_bytes`), with and without each mean
+    pulled as soon as it is summed; ring allreduce beside it. Each row: the step,
+    its efficiency and worker 0's marks (where the step's end goes)."""
+    w, _ = profiles.gpu_workload("resnet50", "V100")
+    hw = sim.Hardware(link_bw=25 * GBIT)
+    rows = []
+    for n in workers:
+        ring = sim.simulate("ring", w, hw, None, n)["step_s"]
+        for name, options in DEADLINE_WHAT_IFS:
+            started = time.perf_counter()
+            r = sim.simulate("dsgd", w, hw, costs, n, **options)
+            rows.append({"workers": n, "what": name, "options": options, "step_s": r["step_s"],
+                         "groups": r["groups"], "efficiency": w.compute_s / r["step_s"],
+                         "ring_efficiency": w.compute_s / ring, "worker0_s": r["worker0_s"]})
+            print(f"deadline what-if N={n} {name}: {100 * w.compute_s / r['step_s']:.1f} % "
+                  f"({r['groups']} groups, {time.perf_counter() - started:.0f} s)", flush=True)
+    return rows
+
+
+def what_if_deadline_markdown(rows: list[dict]) -> str:
+    ns = sorted({r["workers"] for r in rows})
+    by = {(r["workers"], r["what"]): r for r in rows}
+    head = ("| dsgd, one PS per node | " + " | ".join(f"{n} workers" for n in ns)
+            + " |\n|---|" + "---:|" * len(ns) + "\n")
+    body = ""
+    for name, _ in DEADLINE_WHAT_IFS:
+        body += f"| {name} | " + " | ".join(
+            f"{100 * by[n, name]['efficiency']:.0f} % ({by[n, name]['groups']} groups)"
+            for n in ns) + " |\n"
+    ring = {r["workers"]: r["ring_efficiency"] for r in rows}
+    return head + body + "| ring allreduce | " + " | ".join(
+        f"{100 * ring[n]:.0f} %" for n in ns) + " |\n"
+
+
 def ablation_markdown(rows: list[dict]) -> str:
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     by = {(r["workers"], r["variant"]): r for r in rows}
@@ -334,6 +387,9 @@ def main(argv=None) -> dict:
     p.add_argument("--calibration", default=os.path.join(RESULTS, "simulate_calibration.json"))
     p.add_argument("--out", default=os.path.join(RESULTS, "simulate_predictions.json"))
     p.add_argument("--quick", action="store_true", help="ResNet-50 only")
+    p.add_argument("--deadline", action="store_true",
+                   help="only the buckets-by-deadline what-if, to "
+                        "results/simulate_deadline_what_if.json")
     args = p.parse_args(argv)
     with open(args.calibration) as f:
         cal = json.load(f)
@@ -341,6 +397,17 @@ def main(argv=None) -> dict:
     # the host apply line is for CPU workers); PCIe and HBM are the simulator's.
     costs = costs_from(cal, apply_s=1e-3, apply_bw=0.0)
     started = time.perf_counter()
+    if args.deadline:
+        rows = what_if_deadline(costs)
+        print(what_if_deadline_markdown(rows))
+        result = {"benchmark": "simulate_deadline_what_if", "calibration": os.path.relpath(
+            args.calibration, os.path.dirname(RESULTS)), "costs": dataclasses.asdict(costs),
+            "shard_bytes": DEADLINE_SHARD_BYTES, "min_bytes": DEADLINE_MIN_BYTES,
+            "rows": rows, "markdown": what_if_deadline_markdown(rows),
+            "wall_s": time.perf_counter() - started}
+        with open(os.path.join(RESULTS, "simulate_deadline_what_if.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        return result
     rows = run_grid(costs, args.quick)
     seed = seed_benchmark(costs)
     ablated = ablation(costs)

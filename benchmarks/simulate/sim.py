@@ -408,7 +408,7 @@ def link_overload(log: list, rate: float) -> float:
 
 def dsgd_layout(w: Workload, workers: int, shard_bytes: int, num_ps: int | None,
                 compression: str | None, overlap: bool, tail_pieces: int = 0,
-                link_bw: float = 0.0):
+                link_bw: float = 0.0, deadline_min_bytes: int = 0):
     """dsgd's own plan: (groups as [(wire bytes, ps, ready_s, float32 bytes)],
     number of PS). Buckets when `overlap`, else one group per PS.
 
@@ -416,9 +416,13 @@ def dsgd_layout(w: Workload, workers: int, shard_bytes: int, num_ps: int | None,
     to its PS (workers x its bytes at `link_bw`) would end after the backward
     pass is cut into that many equal pieces on distinct PS actors, each piece a
     group of its own (its own object and call): the tail's bytes spread over
-    many PS nodes' links instead of one's."""
+    many PS nodes' links instead of one's.
+
+    `deadline_min_bytes` > 0 (a what-if: the engine does not measure the profile
+    yet): buckets closed by deadline (`bucket_layout` with a `ReadyProfile` of this
+    workload's ready times at `link_bw`), none under that many bytes."""
     from dsgd import constants
-    from dsgd.comm.sharding import bucket_layout, exchange_layout, spread_plan
+    from dsgd.comm.sharding import ReadyProfile, bucket_layout, exchange_layout, spread_plan
 
     # One worker per node: on several, the engine's spread plan (launch.start).
     spread = (num_ps or workers) if workers > 1 else 1
@@ -426,7 +430,11 @@ def dsgd_layout(w: Workload, workers: int, shard_bytes: int, num_ps: int | None,
                        compression=compression)
     asked = num_ps or max(1, min(plan.num_shards, workers))  # param_server.default_num_ps
     layout = exchange_layout(plan, asked)
-    if overlap:
+    if overlap and deadline_min_bytes > 0:
+        ready = tuple(max(w.ready_s[p.var_index] for p in shard.pieces) for shard in plan.shards)
+        profile = ReadyProfile(ready, w.compute_s, link_bw, workers)
+        layout = bucket_layout(layout, deadline_min_bytes, profile)
+    elif overlap:
         layout = bucket_layout(layout, constants.BUCKET_MIN_BYTES)
     groups = []
     for g, ps in zip(layout.groups, layout.ps_of_group):
@@ -451,10 +459,10 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
                   shard_bytes: int = 10_000_000, num_ps: int | None = None,
                   compression: str | None = None, overlap: bool = True,
                   prefetch: bool = False, steps: int = 5, tail_pieces: int = 0,
-                  link_log: list | None = None) -> dict:
+                  deadline_min_bytes: int = 0, link_log: list | None = None) -> dict:
     n = workers
     groups, asked = dsgd_layout(w, n, shard_bytes, num_ps, compression, overlap,
-                                tail_pieces, hw.link_bw)
+                                tail_pieces, hw.link_bw, deadline_min_bytes)
     if n == 1:  # no exchange: the worker applies its own gradient
         return _single(w, hw, k, steps, groups)
     eng = Engine()

@@ -303,7 +303,26 @@ def exchange_layout(plan: ShardPlan, num_ps: int) -> ExchangeLayout:
     return ExchangeLayout(plan, groups, tuple(owner[group[0]] for group in groups))
 
 
-def bucket_layout(layout: ExchangeLayout, min_bytes: int) -> ExchangeLayout:
+@dataclasses.dataclass(frozen=True)
+class ReadyProfile:
+    """When the backward pass makes each shard's gradient, and what one bucket's
+    exchange costs: the input of buckets closed by deadline (`bucket_layout`).
+    Seconds on one clock (the step's start at 0); bytes per second per NIC
+    direction."""
+
+    ready_s: tuple[float, ...]  # per shard of the plan: its last piece's gradient made
+    end_s: float                # the backward pass's end
+    link_bytes_per_s: float     # one NIC direction's rate
+    workers: int
+
+    def exchange_s(self, nbytes: int) -> float:
+        """The least time one bucket of `nbytes` takes through its PS's NIC: every
+        other worker's part in, the mean out to each of them, 2(N-1)·S/B."""
+        return 2 * (self.workers - 1) * nbytes / self.link_bytes_per_s
+
+
+def bucket_layout(layout: ExchangeLayout, min_bytes: int,
+                  profile: ReadyProfile | None = None) -> ExchangeLayout:
     """The groups of the overlapped exchange (`StepExchange`): buckets of consecutive
     shards (so of consecutive variables, which the backward pass makes at about
     the same time; the plan packs the last variables first, so bucket 0 is the
@@ -313,7 +332,15 @@ def bucket_layout(layout: ExchangeLayout, min_bytes: int) -> ExchangeLayout:
     `constants.MAX_BUCKETS_PER_PS` per PS at most, each
     bucket on the PS least loaded by the buckets before it (ties: the lower
     index), so that buckets made one after the other in the backward pass go
-    to different PS actors. The PS actors are `layout`'s."""
+    to different PS actors. The PS actors are `layout`'s.
+
+    With a `profile` (buckets by deadline, issue 47: not yet what the engine
+    does, whose buckets are the rule above; benchmarks/simulate runs it), a
+    bucket is closed, once it holds `min_bytes` (or the floor above), when taking
+    the next shard would end its exchange (`ReadyProfile.exchange_s`, from that
+    shard's ready time) after the backward pass, or make it more than one PS's
+    share: the first buckets, made early, are large; the last ones, made as the
+    backward pass ends, small, so that their means can come back before it ends."""
     from dsgd import constants
 
     shards = layout.plan.shards
@@ -332,8 +359,14 @@ def bucket_layout(layout: ExchangeLayout, min_bytes: int) -> ExchangeLayout:
         # (shard_bytes = G / num_ps, a little under it once padded and cut) then stay
         # one per bucket and per PS rather than pairing up on half of the PS actors.
         # (Every bucket but the last holds >= 3/4 of a share: at most 4/3 x num_ps + 1.)
-        if size >= min_bytes or (min_bytes == share and size >= 0.75 * min_bytes
-                                 and size + following > 1.5 * min_bytes):
+        if profile is not None:
+            close = following == 0 or size >= min_bytes and (
+                size + following > share
+                or profile.ready_s[j + 1] + profile.exchange_s(size + following) > profile.end_s)
+        else:
+            close = size >= min_bytes or (min_bytes == share and size >= 0.75 * min_bytes
+                                          and size + following > 1.5 * min_bytes)
+        if close:
             buckets.append(tuple(current))
             current, size = [], 0
     if current:
