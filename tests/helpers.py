@@ -206,17 +206,12 @@ def drained_usage(timeout_s: float = 60.0, interval_s: float = 0.1,
     gc.collect()  # drop unreachable ObjectRefs held in reference cycles
     deadline = time.monotonic() + timeout_s
     reading = usage()
-    while time.monotonic() < deadline:
-        if reading["num_objects"] > target:
-            time.sleep(interval_s)
-            reading = usage()
-            continue
-        time.sleep(settle_s)
-        again = usage()
-        if again == reading:
-            break
-        reading = again
-    return reading
+    while reading["num_objects"] > target and time.monotonic() < deadline:
+        time.sleep(interval_s)
+        reading = usage()
+    if reading["num_objects"] > target:
+        return reading
+    return settled_usage(max(0.0, deadline - time.monotonic()), settle_s)
 
 
 def settled_usage(timeout_s: float = 30.0, interval_s: float = 0.5) -> dict:

@@ -354,16 +354,16 @@ def bucket_layout(layout: ExchangeLayout, min_bytes: int,
         current.append(j)
         size += shard.nbytes
         following = shards[j + 1].nbytes if j + 1 < len(shards) else 0
-        # Closed at min_bytes; and where min_bytes is one PS's share, also at 3/4 of it
-        # when the next shard would take it past 1.5 x: shards of about one share each
-        # (shard_bytes = G / num_ps, a little under it once padded and cut) then stay
-        # one per bucket and per PS rather than pairing up on half of the PS actors.
-        # (Every bucket but the last holds >= 3/4 of a share: at most 4/3 x num_ps + 1.)
-        if profile is not None:
+        if profile is not None:  # (by deadline: the docstring)
             close = following == 0 or size >= min_bytes and (
                 size + following > share
                 or profile.ready_s[j + 1] + profile.exchange_s(size + following) > profile.end_s)
         else:
+            # Closed at min_bytes; and where min_bytes is one PS's share, also at 3/4 of it
+            # when the next shard would take it past 1.5 x: shards of about one share each
+            # (shard_bytes = G / num_ps, a little under it once padded and cut) then stay
+            # one per bucket and per PS rather than pairing up on half of the PS actors.
+            # (Every bucket but the last holds >= 3/4 of a share: at most 4/3 x num_ps + 1.)
             close = size >= min_bytes or (min_bytes == share and size >= 0.75 * min_bytes
                                           and size + following > 1.5 * min_bytes)
         if close:
