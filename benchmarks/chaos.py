@@ -51,6 +51,7 @@ import dsgd  # noqa: E402
 FEATURES, HIDDEN, CLASSES = 32, 64, 10
 ROWS, BATCH = 2048, 32          # engine phase: 2 workers x 32 rows a step
 STEP_TIMEOUT_S = 5.0
+START_TIMEOUT_S = 45.0          # also bounds a replacement's first call of steps (it traces)
 CHUNK_STEPS = 50                # engine phase: steps per train() call
 ROLES = {b"ray::Worker": "worker", b"ray::ParameterServer": "ps"}
 
@@ -186,6 +187,7 @@ OVERLAP = [False]  # --overlap: the engine sends the gradient during the backwar
 def engine_sgd():
     return dsgd.DistributedSGD(creator, 2, 1, gpu=False, strategy="ps", grad_shard_bytes=4096,
                                num_ps=2, step_timeout_s=STEP_TIMEOUT_S, replace_hung=True,
+                               start_timeout_s=START_TIMEOUT_S,
                                max_failures=1000, overlap=OVERLAP[0])
 
 
@@ -239,7 +241,8 @@ def trainer_phase(seconds: float, chaos: Chaos | None, epochs: int | None = None
     faults are recovered (see keep_going), or `epochs` epochs."""
     with tempfile.TemporaryDirectory() as tmp, dsgd.Trainer(
             Operator, num_workers=2, config={dsgd.BATCH_SIZE: 2 * BATCH},
-            step_timeout_s=STEP_TIMEOUT_S, max_failures=1000) as trainer:
+            step_timeout_s=STEP_TIMEOUT_S, start_timeout_s=START_TIMEOUT_S,
+            max_failures=1000) as trainer:
         if chaos is not None:
             chaos.failures, chaos.phase = (lambda: trainer.sgd.failures), "trainer"
             chaos.active.set()
@@ -339,6 +342,7 @@ def main() -> None:
         "uncommitted_changes": bool(git("status", "--porcelain", "--untracked-files=no")),
         "device": f"CPU only, {os.cpu_count()} cores ({platform.node()})",
         "minutes": args.minutes, "seed": args.seed, "step_timeout_s": STEP_TIMEOUT_S,
+        "start_timeout_s": START_TIMEOUT_S,
         "faults_regardless_of_recovery": args.regardless,
         "faults": len(faults), "faults_by_kind": by_kind,
         "recoveries": len(failures), "recoveries_by_where": by_where,

@@ -149,6 +149,16 @@ class Config:
         return self.stall_warning_s or min(constants.MAX_STALL_WARNING_S, self.step_timeout_s / 4)
 
     @property
+    def first_steps_timeout_s(self) -> float:
+        """The wait for each step of a worker's first call of steps after it
+        joined running workers (a replacement, an added worker): part of its
+        start, since it traces its compiled step alone while the others wait
+        in the exchange. max(step_timeout_s, start_timeout_s): judged by
+        step_timeout_s alone, a replacement slower to trace than that would be
+        killed as hung and replaced again, step after step."""
+        return max(self.step_timeout_s, self.start_timeout_s)
+
+    @property
     def start_stall_report_s(self) -> float:
         """The same while actors start: start-up is slow by nature (seconds to
         import TensorFlow), so reports come less often."""

@@ -220,6 +220,42 @@ def uninterrupted(keyed):
 
 
 @pytest.mark.slow  # long: CI runs it (.ci/run)
+def test_a_replacement_slower_than_step_timeout_to_its_first_step_is_not_taken_for_hung(
+        tmp_path):
+    """A replacement traces its compiled step alone while the other worker waits for it
+    in the exchange: its first call of steps is part of its start (start_timeout_s),
+    not judged by step_timeout_s. Judged by that, it would be killed as hung, and its
+    replacement too, step after step (here max_failures=3 would end it)."""
+    marker = str(tmp_path / "killed")
+
+    def creator(w, d):
+        return tiny.SlowReplacement(w, d, 1, 4, kill_step=2, kill_replica=1, marker=marker,
+                                    delay_s=0.5, slow_s=2 * TIMEOUT_S)
+
+    with dsgd.DistributedSGD(creator, 2, 1, gpu=False, strategy="ps", grad_shard_bytes=128,
+                             num_ps=2, step_timeout_s=TIMEOUT_S, replace_hung=True,
+                             start_timeout_s=120, max_failures=3) as sgd:
+        sgd.train(6)
+        assert os.path.exists(marker)
+        assert sgd.steps_done == 6
+        assert [f["error"] for f in sgd.failures] == ["ActorDiedError"], sgd.failures
+        assert_replicas_identical(sgd)
+        # The replacement's calls after its first are judged by step_timeout_s again.
+        pid = sgd.worker_info[1]["pid"]
+        stop(pid)
+        began = time.monotonic()
+        try:
+            sgd.train(2)
+        finally:
+            reap(pid)
+        # (found after step_timeout_s, not after start_timeout_s=120 s)
+        assert time.monotonic() - began < 90
+        assert sgd.steps_done == 8
+        assert len(sgd.failures) == 2 and sgd.failures[-1]["error"] == "StepTimeoutError", \
+            sgd.failures
+
+
+@pytest.mark.slow  # long: CI runs it (.ci/run)
 def test_hung_worker_in_get_weights_is_replaced_and_the_call_answers(shared, uninterrupted):
     sgd = shared
     sgd.step()

@@ -167,6 +167,26 @@ class KillAt(StepKeyedModel):
         return super().get_batch()
 
 
+class SlowReplacement(KillAt):
+    """KillAt, and the replacement's first batch (read once `marker` exists) comes
+    `slow_s` late: a replacement whose first step, tracing its compiled step
+    alone, takes longer than step_timeout_s."""
+
+    def __init__(self, *args, slow_s=0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slow_s, self._first = slow_s, True
+
+    def get_batch(self):
+        import os
+        import time
+
+        if self._first:
+            self._first = False
+            if os.path.exists(self.marker):
+                time.sleep(self.slow_s)
+        return super().get_batch()
+
+
 class KillDuringApply(StepKeyedModel):
     """Replica `kill_replica`'s optimizer SIGKILLs its own process inside the
     compiled apply of step `kill_step` (0-based), once (`marker`)."""

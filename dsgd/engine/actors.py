@@ -58,6 +58,9 @@ class ActorSet:
         # actor's new handle can land at the dead one's address; names never repeat).
         self._names: dict[int, tuple[object, str]] = {}
         self._joining: dict[int, object] = {}  # slot -> a replacement started in the background
+        # id(handle) -> handle: workers that joined running workers and have not yet
+        # ended a call of steps (`new_to_steps`).
+        self._new: dict[int, object] = {}
         self._generation = 0
         self._membership = 0
         self._processes: dict[int, tuple[object, str, int]] = {}  # id -> (handle, node id, pid)
@@ -136,6 +139,8 @@ class ActorSet:
                 model_creator, slot, devices, gpu, alg, init)
             with self._lock:
                 self._keep(handle, name)
+                if self._generation:  # a replacement, or growth: it joins running workers
+                    self._new[id(handle)] = handle
                 handles.append(handle)
                 position = sorted(self._slots + [slot]).index(slot)
                 self._slots.insert(position, slot)
@@ -169,7 +174,19 @@ class ActorSet:
         self._workers.insert(position, handle)
         self._infos[slot] = info
         self._located(handle, info)
+        self._new[id(handle)] = handle
         self._membership += 1
+
+    def new_to_steps(self, workers: list) -> bool:
+        """Whether any of `workers` joined running workers and has not ended a call
+        of steps yet (its first traces its compiled step: Config.first_steps_timeout_s)."""
+        return any(self._new.get(id(w)) is w for w in workers)
+
+    def stepped(self, workers: list) -> None:
+        """`workers` ended a call of steps: their steps are judged by step_timeout_s."""
+        for w in workers:
+            if self._new.get(id(w)) is w:
+                del self._new[id(w)]
 
     def drop_joining(self, slot: int) -> None:
         _kill(self._joining.pop(slot))
@@ -231,6 +248,7 @@ class ActorSet:
     def remove_worker(self, slot: int) -> None:
         k = self._slots.index(slot)
         _kill(self._workers[k])
+        self._new.pop(id(self._workers[k]), None)
         del self._slots[k], self._workers[k]
         self._infos.pop(slot, None)
 

@@ -149,7 +149,7 @@ def ensure_ps(config: Config, actors: ActorSet, topology: Topology) -> None:
         return
     nodes = ps_nodes(missing, [actors.info(s)["node_id"] for s in actors.slots])
     handles = actors.start_ps(missing, nodes, topology.warm_store_bytes,
-                              rendezvous_timeout_s=config.step_timeout_s)
+                              rendezvous_timeout_s=config.first_steps_timeout_s)
     infos = actors.wait([p.ready.remote() for p in handles], handles, "starting PS actors",
                         config.start_timeout_s, config.start_stall_report_s)
     actors.ps_ready(handles, infos)

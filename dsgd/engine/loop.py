@@ -134,6 +134,9 @@ class StepLoop:
                 self._drain(in_flight, entry)
                 self._drain(ahead, entry)
                 raise
+            if in_flight is not None and any(r.failure is None and r.error is None
+                                             for r in results):
+                self.actors.stepped(in_flight.workers)  # (a replacement traced its steps)
             in_flight = ahead
             failure = None  # (WorkerSteps gave its attempt up: retries are a new one)
             if results and results[-1].failure is not None:

@@ -111,6 +111,10 @@ class ExchangeStep:
         self.workers = actors.workers
         self.slots = actors.slots
         self.need = need if need is not None else len(self.workers)
+        # step_timeout_s, or longer while a worker that joined running ones has not
+        # ended a step (it traces alone: Config.first_steps_timeout_s)
+        self.timeout_s = config.first_steps_timeout_s if actors.new_to_steps(self.workers) \
+            else config.step_timeout_s
         self.start = time.perf_counter()
         self._running: list[int] = []      # indices into workers that compute this step
         self._streams: list = []           # their compute streams
@@ -125,13 +129,13 @@ class ExchangeStep:
         self._dropped_rows: list[tuple] = []  # (slot, rows or None) left out of the mean
 
     def time_left(self) -> float:
-        return max(0.001, self.config.step_timeout_s - (time.perf_counter() - self.start))
+        return max(0.001, self.timeout_s - (time.perf_counter() - self.start))
 
     def restart_clock(self) -> None:
         """The driver waits for this step from now on. A step submitted ahead ran
         while the driver did other work (the step before it, the caller's code
         between steps, replacing a PS): that time is not the step's, so its
-        step_timeout_s starts again here."""
+        `timeout_s` starts again here."""
         self.start = time.perf_counter()
 
     def submit(self) -> ExchangeStep:
@@ -203,7 +207,7 @@ class ExchangeStep:
                     late = [self.workers[k] for k in pending.values()]
                     raise StepTimeoutError(
                         f"{what}: only {len(arrived)} of the {self.need} workers the step needs "
-                        f"answered in {self.config.step_timeout_s:.1f} s; no answer from "
+                        f"answered in {self.timeout_s:.1f} s; no answer from "
                         f"{', '.join(sorted(self.actors.name(w) for w in late))}", late)
                 continue
             for stream in answered:
@@ -262,7 +266,7 @@ class ExchangeStep:
         if late:
             return StepTimeoutError(
                 f"{self.label}: fewer than {self.need} workers could compute the step in "
-                f"{self.config.step_timeout_s:.1f} s; late: "
+                f"{self.timeout_s:.1f} s; late: "
                 f"{', '.join(sorted(self.actors.name(w) for w in late))}", late)
         if self._died_error is not None:
             return self._died_error
@@ -362,7 +366,7 @@ class ExchangeStep:
         return self._apply_refs is not None
 
     def finish(self) -> list[StepResult]:
-        """Waits for the applies (blocks, at most what is left of step_timeout_s),
+        """Waits for the applies (blocks, at most what is left of `timeout_s`),
         not for those of late workers."""
         try:
             return self._finish()
@@ -390,6 +394,9 @@ class LocalSteps:
         self.label = (f"step {first_number}" if len(data) == 1
                       else f"steps {first_number}-{first_number + len(data) - 1}")
         self.workers = actors.workers
+        # step_timeout_s, or longer for a replacement's first call (Config.first_steps_timeout_s)
+        self.timeout_s = config.first_steps_timeout_s if actors.new_to_steps(self.workers) \
+            else config.step_timeout_s
         self.start = time.perf_counter()  # its steps began (for step_s)
         self._clock = self.start          # step_timeout_s counts from here
         self._ref = None
@@ -430,7 +437,7 @@ class LocalSteps:
         non-finite gradient under "raise", or at a step that raised). Waits at
         most step_timeout_s per step."""
         ref, self._ref = self._ref, None
-        timeout = self.config.step_timeout_s * self.size - (time.perf_counter() - self._clock)
+        timeout = self.timeout_s * self.size - (time.perf_counter() - self._clock)
         infos = self.actors.wait([ref], self.workers, self.label, max(0.001, timeout))[0]
         step_s = (time.perf_counter() - self.start) / max(1, len(infos))
         results = []

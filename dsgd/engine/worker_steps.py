@@ -76,6 +76,10 @@ class WorkerSteps:
         self.label = (f"step {first_number}" if len(seqs) == 1
                       else f"steps {first_number}-{first_number + len(seqs) - 1}")
         self.workers = actors.workers
+        # Each step's wait: step_timeout_s, or longer while a worker that joined running
+        # ones has not ended a call of steps (it traces alone: Config.first_steps_timeout_s).
+        self._first = actors.new_to_steps(self.workers)
+        self.timeout_s = config.first_steps_timeout_s if self._first else config.step_timeout_s
         self.start, self._clock = time.perf_counter(), time.monotonic()
         self._refs: list | None = None
 
@@ -95,7 +99,8 @@ class WorkerSteps:
             self._reporters = (free + busy)[:self.stragglers.backup_workers + 1]
         self._refs = [w.exchange_steps.remote(None if self.datas is None
                                               else [d[k] for d in self.datas], self.seqs,
-                                              self.run_id, True, k in self._reporters)
+                                              self.run_id, True, k in self._reporters,
+                                              self.timeout_s if self._first else None)
                       for k, w in enumerate(self.workers)]
         return self
 
@@ -116,7 +121,7 @@ class WorkerSteps:
 
     def finish(self) -> list[StepResult]:
         """One result per step every surviving worker ran (blocks, at most
-        step_timeout_s per step, or FAILURE_GRACE_S past a failure); a last
+        `timeout_s` per step, or FAILURE_GRACE_S past a failure); a last
         result with `failure` when an actor died or hung, or the error of a step
         that raised after the steps before it were applied (raised here when
         none was)."""
@@ -406,10 +411,10 @@ class WorkerSteps:
 
     def _deadline(self, index: dict, quiet=lambda: False) -> Deadline:
         """The driver's wait for this call's answers (`index`: ref hex -> worker
-        position): the workers' own waits end first, so step_timeout_s per step
+        position): the workers' own waits end first, so `timeout_s` per step
         and FAILURE_GRACE_S more; a stall report every stall_report_s names whom
         the others wait for (none while `quiet()`)."""
-        return Deadline(self.label, self.config.step_timeout_s * self.size + FAILURE_GRACE_S,
+        return Deadline(self.label, self.timeout_s * self.size + FAILURE_GRACE_S,
                         stall_s=self.config.stall_report_s, start=self._clock,
                         on_stall=lambda pending, waited_s: quiet() or self._stall_report(
                             pending, index, waited_s))
@@ -430,8 +435,7 @@ class WorkerSteps:
                            "(%d of %d waiting in it); StepTimeoutError after %.0f s", step,
                            ", ".join(self.actors.name(self.workers[r]) for r in late),
                            "s" if len(late) == 1 else "ve", waited_s,
-                           len(self.workers) - len(late), len(self.workers),
-                           self.config.step_timeout_s)
+                           len(self.workers) - len(late), len(self.workers), self.timeout_s)
             return
         running = sorted(self.actors.name(self.workers[index[r.hex()]]) for r in pending)
         logger.warning("stall: %s: %s still running after %.0f s", self.label,
@@ -461,7 +465,7 @@ class WorkerSteps:
             who = [self.actors.name(h) for h in late]
             cause = failures[0] if failures else None
             return StepTimeoutError(
-                f"{self.label}: no answer after {self.config.step_timeout_s:.1f} s from "
+                f"{self.label}: no answer after {self.timeout_s:.1f} s from "
                 f"{', '.join(who) or 'an actor of the exchange'}"
                 + (f" ({cause})" if cause is not None else ""), late)
         if any(_failed(out) for out in outcome.values()):

@@ -133,7 +133,8 @@ class ExchangeSession:
         return self.plan.buckets
 
     def exchange_steps(self, datas: list, seqs: list[int], run: int, compact: bool = False,
-                       reporter: bool = False) -> list | CompactAnswer:
+                       reporter: bool = False, timeout_s: float | None = None
+                       ) -> list | CompactAnswer:
         """Synchronous steps with every other worker, exchanged by this worker
         itself through the PS actors (`join`): for each step, the gradient,
         averaged across local replicas, goes to the PS actors group by group with
@@ -154,7 +155,9 @@ class ExchangeSession:
         peer or PS: a last StepFailed; nothing of that step was applied here). After a halt,
         an error or a failure, later calls of the same `run` return [] at once:
         steps queued behind it must not run. Blocks; each exchange waits at
-        most the `join` timeout.
+        most `timeout_s` (default: the `join` timeout; the driver gives a
+        worker's first call after it joined running workers longer, as it
+        traces its compiled step alone: Config.first_steps_timeout_s).
 
         `compact`: when every step asked was applied or skipped, return instead
         a `CompactAnswer` (its steps, this worker's figures over them, one
@@ -176,6 +179,10 @@ class ExchangeSession:
         dropped."""
         if run == self._halted_run:
             return []
+        client = self._client
+        joined_timeout_s = client.timeout_s if client is not None else None
+        if timeout_s is not None and client is not None:
+            client.timeout_s = timeout_s
         try:
             return self._run_steps(datas, seqs, run, compact, reporter)
         finally:
@@ -192,6 +199,8 @@ class ExchangeSession:
             # had begun applying it exits, recovered as a death.)
             if not self._dead_ps:
                 self._step_exchanges.clear()
+            if client is not None:
+                client.timeout_s = joined_timeout_s
 
     def _run_steps(self, datas: list, seqs: list[int], run: int, compact: bool,
                    reporter: bool) -> list | CompactAnswer:
