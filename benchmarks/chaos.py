@@ -127,12 +127,14 @@ class Chaos(threading.Thread):
     def __init__(self, seed: int, gcs_address: str, wait_for_recovery: bool = True):
         super().__init__(daemon=True)
         # False: the next fault comes 2-5 s after the last one whatever the recovery is
-        # doing (faults land inside recoveries too); True: 2-5 s after it is recovered.
+        # doing (faults land inside recoveries too); True: 2-5 s after it is recovered
+        # and a step has been done since.
         self.wait_for_recovery = wait_for_recovery
         self.start_time = time.perf_counter()
         self.rng = random.Random(seed)
         self.gcs_address = gcs_address
         self.failures = None         # callable -> the running phase's failure records
+        self.progress = None         # callable -> the running phase's steps done
         self.phase = None
         self.faults: list[dict] = []
         self.stopped: list[int] = []
@@ -168,6 +170,12 @@ class Chaos(threading.Thread):
                 if len(failures()) > before and failures()[-1]["recovery_s"] is not None:
                     fault["recovered_after_s"] = round(time.perf_counter() - injected, 2)
                     break
+                time.sleep(0.05)
+            # ... and for a step done since: a replacement's first call (it traces, judged
+            # by start_timeout_s) has ended, so each fault leaves progress behind it.
+            done = self.progress() if self.progress is not None else None
+            while (self.wait_for_recovery and done is not None and self.active.is_set()
+                   and not self.halt.is_set() and self.progress() <= done):
                 time.sleep(0.05)
 
     def reap(self) -> None:
@@ -218,6 +226,7 @@ def engine_phase(seconds: float, chaos: Chaos | None, steps: int | None = None,
     with engine_sgd() as sgd:
         if chaos is not None:
             chaos.failures, chaos.phase = (lambda: sgd.failures), "engine"
+            chaos.progress = lambda: sgd.steps_done
             chaos.active.set()
         start, asked = time.perf_counter(), 0
         try:
@@ -245,6 +254,7 @@ def trainer_phase(seconds: float, chaos: Chaos | None, epochs: int | None = None
             max_failures=1000) as trainer:
         if chaos is not None:
             chaos.failures, chaos.phase = (lambda: trainer.sgd.failures), "trainer"
+            chaos.progress = lambda: trainer.sgd.steps_done
             chaos.active.set()
         start, results = time.perf_counter(), []
         try:
