@@ -1,8 +1,9 @@
 """Scaling regression check: dsgd on a two-node emulated cluster (each Ray node in
 its own network namespace behind a rate-shaped veth, benchmarks/simulate/
 emulated.py) takes a step within the simulator's prediction band (±25 %,
-benchmarks/simulate/check.py), simulated from the committed calibration
-(benchmarks/results/simulate_calibration.json) and the link measured here.
+benchmarks/simulate/check.py), simulated from a calibration measured in the
+same run (calibrate.py, for this model: the Ray and PS costs, the host apply,
+the shaped link's pulls, the one-worker step) and the link measured here.
 
 A step that grows past the band (a new per-step round trip, bytes sent twice,
 phases that stop overlapping) fails here before a user sees it on a cluster.
@@ -34,7 +35,7 @@ needs_root = pytest.mark.skipif(
 
 
 @needs_root
-def test_two_node_step_stays_within_the_simulators_band():
+def test_two_node_step_stays_within_the_simulators_band(tmp_path):
     # The compute-free model (the step is the exchange): emulated.py's two-node runs
     # of it measured 1.08-1.16 x the simulation (benchmarks/results/simulate_check.json,
     # emulated_2node_repeats.json).
@@ -43,9 +44,18 @@ def test_two_node_step_stays_within_the_simulators_band():
     import check
     from emulated import EmulatedCluster, run_dsgd
 
-    with open(os.path.join(ROOT, "benchmarks", "results", "simulate_calibration.json")) as f:
-        calibration = json.load(f)
+    import calibrate
+
     ray.shutdown()  # the shared single-node cluster; this module runs with the multi-node ones
+    # The simulator's software costs measured now, on this machine as it is (calibrate.py,
+    # this model only): the committed calibration is another day's machine (on
+    # 2026-12-07 this VM's memcpy, ray.put and actor round trip were 3-4 x slower than
+    # in it, and this check read 1.44 x against it).
+    with open(tmp_path / "emulated.json", "w") as f:
+        json.dump({"runs": [{"model": model["name"], "model_params": {
+            "mib": model["mib"], "num_variables": model["num_variables"]}}]}, f)
+    calibration = calibrate.main(["--emulated", str(tmp_path / "emulated.json"),
+                                  "--out", str(tmp_path / "calibration.json")])
     with EmulatedCluster(2, 320.0) as cluster:
         measured = run_dsgd(cluster, model, steps=8, warmup=2, rounds=2, **options)
         link = cluster.link
