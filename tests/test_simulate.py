@@ -147,6 +147,7 @@ def test_re_rating_on_a_grid_agrees_with_exact_re_rating(algorithm):
     ("dsgd", {"shard_bytes": MIB, "num_ps": 16, "prefetch": True,
               "deadline_min_bytes": 256 * 1024}),
     ("dsgd", {"shard_bytes": 4 * MIB, "num_ps": 4, "overlap": False}),
+    ("dsgd", {"shard_bytes": MIB, "num_ps": 16, "prefetch": True, "metas_with_last": True}),
     ("byteps", {}),
 ])
 def test_no_link_carries_more_than_its_rate_in_a_whole_simulation(algorithm, options):
@@ -167,6 +168,20 @@ def test_slower_links_more_workers_and_costlier_calls_never_speed_dsgd_up():
                           shard_bytes=4 * MIB, num_ps=8)["step_s"]
     more = sim.simulate("dsgd", w, hw, COSTS, 32, shard_bytes=4 * MIB, num_ps=8)["step_s"]
     assert slower > base and costly > base and more > base
+
+
+def test_metas_riding_with_the_last_bucket_skip_the_gather_and_wait_for_that_bucket():
+    # The what-if: no gather call on PS 0 (the meta leaves with the last bucket), and
+    # the step is decided only once that bucket is summed and its answer is back.
+    w = profiles.sleepy_workload(8, 0.005, 0.01)
+    hw = sim.Hardware(link_bw=1e9, gpu=False)
+    k = dataclasses.replace(COSTS, call_s=2e-3)
+    options = {"shard_bytes": 4 * MIB, "num_ps": 8}
+    gather = sim.simulate("dsgd", w, hw, k, 16, **options)["worker0_s"]
+    ride = sim.simulate("dsgd", w, hw, k, 16, metas_with_last=True, **options)["worker0_s"]
+    assert ride["meta_sent"] == ride["last_bucket_sent"]
+    assert gather["meta_sent"] >= gather["last_bucket_sent"] + k.call_s
+    assert ride["decided"] > ride["metas_gathered"] > ride["last_bucket_sent"]
 
 
 def test_overlap_hides_the_exchange_behind_the_backward_pass():

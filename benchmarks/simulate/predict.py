@@ -289,6 +289,9 @@ DEADLINE_WHAT_IFS = [
     ("buckets by deadline, each mean pulled as soon as summed",
      {"shard_bytes": DEADLINE_SHARD_BYTES, "deadline_min_bytes": DEADLINE_MIN_BYTES,
       "prefetch": True}),
+    ("buckets by deadline, pulled as soon as summed, metas with the last bucket",
+     {"shard_bytes": DEADLINE_SHARD_BYTES, "deadline_min_bytes": DEADLINE_MIN_BYTES,
+      "prefetch": True, "metas_with_last": True}),
 ]
 
 

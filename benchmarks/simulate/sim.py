@@ -32,7 +32,11 @@ What is simulated (read from the code, `dsgd/worker/worker.py` and
   when under `APPLY_SPLIT_MIN_SHARE` is still pending
   (`Worker._apply_arriving`).
   With `prefetch=True` (not what the code does: a proposed change, see
-  docs/scaling.md) each mean is pulled as soon as its answer arrives.
+  docs/scaling.md) each mean is pulled as soon as its answer arrives. With
+  `metas_with_last=True` (also not built) there is no gather: each worker's
+  meta rides with its last-ready bucket, sent once the backward pass ends, and
+  that bucket's PS answers every worker with its mean and the N metas, when
+  the step is decided.
 - **dsgd, after the backward pass** (`overlap=False`, CPU workers): one object per
   PS group (`exchange_layout`), put and sent when the compute ends, metas riding
   with them; the worker waits for every answer, pulls every mean in parallel
@@ -459,7 +463,8 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
                   shard_bytes: int = 10_000_000, num_ps: int | None = None,
                   compression: str | None = None, overlap: bool = True,
                   prefetch: bool = False, steps: int = 5, tail_pieces: int = 0,
-                  deadline_min_bytes: int = 0, link_log: list | None = None) -> dict:
+                  deadline_min_bytes: int = 0, metas_with_last: bool = False,
+                  link_log: list | None = None) -> dict:
     n = workers
     groups, asked = dsgd_layout(w, n, shard_bytes, num_ps, compression, overlap,
                                 tail_pieces, hw.link_bw, deadline_min_bytes)
@@ -477,6 +482,9 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
     object_manager = [Serial() for _ in range(n)]   # per node: serves pulls
     total_wire = sum(g[0] for g in groups)
     nb = len(groups)
+    # metas_with_last (what-if, not built): each worker's meta rides with its last-ready
+    # bucket's part, whose PS answers the means with every meta: no gather on PS 0.
+    last = max(range(nb), key=lambda b: groups[b][2])
     state: dict = {}
     ends: dict = {}
     marks: dict = {}
@@ -499,6 +507,8 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         if overlap:
             for b, (wire, ps, ready, f32) in enumerate(groups):
                 t = t0 + ready + local_allreduce_s(f32)
+                if metas_with_last and b == last:  # it carries the meta: made at the end
+                    t = max(t, compute_end)
                 eng.at(t, send_bucket, s, u, b)
             eng.at(compute_end, backward_end, s, u)
         else:
@@ -552,6 +562,10 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         elif prefetch:
             for u in range(n):
                 eng.at(st["replies"][u][b], prefetch_one, s, u, b)
+        if overlap and metas_with_last and b == last:
+            mark(s, 0, "metas_gathered", done)
+            for u in range(n):
+                eng.at(st["replies"][u][b], decided, s, u)
         for u in range(n):
             if (u, b) in st.get("waiters", ()):
                 st["waiters"].discard((u, b))
@@ -615,9 +629,12 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         mark(s, u, "backward_end", eng.now)
         t = max(eng.now, sender[u].free)  # the last bucket's op has returned
         mark(s, u, "last_bucket_sent", t)
-        t = cpu(cores, sender[u], t, k.call_s)  # the gather call to PS 0
-        mark(s, u, "meta_sent", t)
-        eng.at(t + hop(u, ps_node[0]), meta_arrives, s)
+        if metas_with_last:  # (the meta left with the last bucket)
+            mark(s, u, "meta_sent", t)
+        else:
+            t = cpu(cores, sender[u], t, k.call_s)  # the gather call to PS 0
+            mark(s, u, "meta_sent", t)
+            eng.at(t + hop(u, ps_node[0]), meta_arrives, s)
         # collect(): the means whose answers are in, pulled in parallel, waited for.
         eng.at(t, collect, s, u, "metas")
 
