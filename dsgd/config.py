@@ -158,6 +158,11 @@ class Config:
         killed as hung and replaced again, step after step."""
         return max(self.step_timeout_s, self.start_timeout_s)
 
+    def steps_timeout_s(self, new_to_steps: bool) -> float:
+        """Each step's wait in a call of steps: `first_steps_timeout_s` when a worker
+        in it is new to steps (ActorSet.new_to_steps), else `step_timeout_s`."""
+        return self.first_steps_timeout_s if new_to_steps else self.step_timeout_s
+
     @property
     def start_stall_report_s(self) -> float:
         """The same while actors start: start-up is slow by nature (seconds to

@@ -134,9 +134,7 @@ class StepLoop:
                 self._drain(in_flight, entry)
                 self._drain(ahead, entry)
                 raise
-            if in_flight is not None and any(r.failure is None and r.error is None
-                                             for r in results):
-                self.actors.stepped(in_flight.workers)  # (a replacement traced its steps)
+            self._stepped(in_flight, results)
             in_flight = ahead
             failure = None  # (WorkerSteps gave its attempt up: retries are a new one)
             if results and results[-1].failure is not None:
@@ -148,6 +146,12 @@ class StepLoop:
                 in_flight = None  # its calls stop at once (the same run halted on the failure)
                 run_id = next(self._run_ids)  # ... so the steps after the failure are a new run
                 done += yield from self._recovered_after(failure, entry)
+
+    def _stepped(self, unit, results: list[StepResult]) -> None:
+        """A unit's call ended with a step done: its workers new to steps (a replacement
+        that traced them) are judged by step_timeout_s from now on."""
+        if unit is not None and any(r.failure is None and r.error is None for r in results):
+            self.actors.stepped(unit.workers)
 
     def _counted(self, results: list[StepResult], in_flight, entry: FeedEntry | None
                  ) -> Iterator[StepResult]:

@@ -74,13 +74,11 @@ class DistributedSGD:
         num_cpus_per_worker: CPUs Ray reserves for each worker.
         step_timeout_s: longest wait for one step (or one call), in seconds,
             counted from when the driver begins waiting for it; then
-            `StepTimeoutError` (or, with `replace_hung`, a recovery). A worker's
-            first step (or one after a new batch shape) includes tracing the
-            compiled step: seconds for a large model.
+            `StepTimeoutError` (or, with `replace_hung`, a recovery). A first step
+            (or one after a new batch shape) includes tracing: seconds, large models.
         start_timeout_s: longest wait for workers to start and build replicas,
-            in seconds; also for each step of a replacement's (or an added
-            worker's) first call of steps, which traces alone while the others
-            wait: max(step_timeout_s, start_timeout_s) there.
+            in seconds; each step of a replacement's first call (it traces alone)
+            waits max(step_timeout_s, start_timeout_s).
         stall_warning_s: while a wait is pending, log a stall report naming the
             actors that have not answered every this many seconds (default:
             a quarter of `step_timeout_s`, at most 60 s).

@@ -111,10 +111,8 @@ class ExchangeStep:
         self.workers = actors.workers
         self.slots = actors.slots
         self.need = need if need is not None else len(self.workers)
-        # step_timeout_s, or longer while a worker that joined running ones has not
-        # ended a step (it traces alone: Config.first_steps_timeout_s)
-        self.timeout_s = config.first_steps_timeout_s if actors.new_to_steps(self.workers) \
-            else config.step_timeout_s
+        # longer while a worker that joined running ones traces alone (Config.steps_timeout_s)
+        self.timeout_s = config.steps_timeout_s(actors.new_to_steps(self.workers))
         self.start = time.perf_counter()
         self._running: list[int] = []      # indices into workers that compute this step
         self._streams: list = []           # their compute streams
@@ -394,9 +392,8 @@ class LocalSteps:
         self.label = (f"step {first_number}" if len(data) == 1
                       else f"steps {first_number}-{first_number + len(data) - 1}")
         self.workers = actors.workers
-        # step_timeout_s, or longer for a replacement's first call (Config.first_steps_timeout_s)
-        self.timeout_s = config.first_steps_timeout_s if actors.new_to_steps(self.workers) \
-            else config.step_timeout_s
+        # longer for a replacement's first call (Config.steps_timeout_s)
+        self.timeout_s = config.steps_timeout_s(actors.new_to_steps(self.workers))
         self.start = time.perf_counter()  # its steps began (for step_s)
         self._clock = self.start          # step_timeout_s counts from here
         self._ref = None

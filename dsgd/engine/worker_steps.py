@@ -79,7 +79,7 @@ class WorkerSteps:
         # Each step's wait: step_timeout_s, or longer while a worker that joined running
         # ones has not ended a call of steps (it traces alone: Config.first_steps_timeout_s).
         self._first = actors.new_to_steps(self.workers)
-        self.timeout_s = config.first_steps_timeout_s if self._first else config.step_timeout_s
+        self.timeout_s = config.steps_timeout_s(self._first)
         self.start, self._clock = time.perf_counter(), time.monotonic()
         self._refs: list | None = None
 
