@@ -148,6 +148,9 @@ def test_re_rating_on_a_grid_agrees_with_exact_re_rating(algorithm):
               "deadline_min_bytes": 256 * 1024}),
     ("dsgd", {"shard_bytes": 4 * MIB, "num_ps": 4, "overlap": False}),
     ("dsgd", {"shard_bytes": MIB, "num_ps": 16, "prefetch": True, "metas_with_last": True}),
+    ("dsgd", {"shard_bytes": MIB, "num_ps": 16, "prefetch": True,
+              "deadline_min_bytes": 256 * 1024, "two_level": True}),
+    ("dsgd", {"shard_bytes": 4 * MIB, "num_ps": 16, "two_level": True}),
     ("byteps", {}),
 ])
 def test_no_link_carries_more_than_its_rate_in_a_whole_simulation(algorithm, options):
@@ -302,3 +305,71 @@ def test_deadline_buckets_are_the_codes_layout_and_shrink_toward_the_backward_en
     sizes = [g[0] for g in groups]
     assert sum(sizes) == sum(s.nbytes for s in plan.shards)
     assert sizes[-1] < max(sizes)  # (the last-made bucket: small)
+
+
+def test_two_level_plan_groups_consecutive_nodes_under_sub_aggregators_apart_from_the_root():
+    """sim.two_level_plan: ceil(sqrt(N)) groups of consecutive nodes (10 workers: 3, 3,
+    2, 2), each under a sub-aggregator on one of its own nodes that is not the bucket's
+    root PS; a group's sub-aggregator changes from bucket to bucket."""
+    w = profiles.sleepy_workload(8, 0.005, 0.01)
+    n = 10
+    groups, asked = sim.dsgd_layout(w, n, MIB, n, None, True)
+    ps_node = [j % n for j in range(asked)]
+    plan = sim.two_level_plan(groups, ps_node, n)
+    assert len(groups) > 4
+    for b, (_, root, _, _) in enumerate(groups):
+        members = plan.members[b]
+        assert sorted(members.values()) == [(0, 1, 2), (3, 4, 5), (6, 7), (8, 9)]
+        assert plan.direct[b] == () and plan.fan_in(b) == 4
+        for sub, nodes in members.items():
+            assert sub != root and ps_node[sub] != ps_node[root] and ps_node[sub] in nodes
+            assert all(plan.sub_of[b][u] == sub for u in nodes)
+    assert len({sub for m in plan.members for sub in m}) > 4  # rotated over the groups' PS
+
+
+def test_two_level_root_sums_one_partial_per_group_not_one_part_per_worker():
+    """With two_level, each bucket's root PS handles ceil(sqrt(16)) = 4 calls a step
+    and its node moves 4 partial sums in and 4 means out, where one level has 16
+    calls, 15 parts in and 15 means out; every part and mean still crosses the
+    network once per hop: 2N transfers per bucket against 2(N - 1) (so N / (N - 1) of
+    one level's bytes)."""
+    w = profiles.sleepy_workload(8, 0.005, 0.01)
+    hw = sim.Hardware(link_bw=1e9, gpu=True)
+    options = {"shard_bytes": MIB, "num_ps": 16, "prefetch": True}
+    one = sim.simulate("dsgd", w, hw, COSTS, 16, **options)
+    two = sim.simulate("dsgd", w, hw, COSTS, 16, two_level=True, **options)
+    assert not one["two_level"] and two["two_level"]
+    assert set(one["root_calls"]) == {16} and set(one["root_in"]) == set(one["root_out"]) == {15}
+    assert set(two["root_calls"]) == {4} and set(two["root_in"]) == set(two["root_out"]) == {4}
+    assert two["net_bytes"] == pytest.approx(one["net_bytes"] * 16 / 15, rel=1e-9)
+
+
+def test_two_level_pays_its_sub_aggregators_puts_and_calls():
+    """Nothing in the second level is free: with calls and pulls cheap and a put of
+    20 ms, the last bucket's mean waits for two more puts (the partial sum's at its
+    sub-aggregator, the mean's again there) and one more call than with one level."""
+    w = profiles.sleepy_workload(8, 0.005, 0.01)
+    hw = sim.Hardware(link_bw=1e9, gpu=False)
+    k = dataclasses.replace(FREE, put_s=20e-3)
+    options = {"shard_bytes": 4 * MIB, "num_ps": 16, "prefetch": True}
+    one = sim.simulate("dsgd", w, hw, k, 16, **options)["step_s"]
+    two = sim.simulate("dsgd", w, hw, k, 16, two_level=True, **options)["step_s"]
+    assert two >= one + 2 * 20e-3
+
+
+def test_two_level_at_four_workers_or_fewer_is_one_level():
+    """At N <= 4 (sim.TWO_LEVEL_MIN_WORKERS 5) two_level changes nothing: the same
+    step and marks as one level."""
+    w = profiles.sleepy_workload(8, 0.005, 0.01)
+    hw = sim.Hardware(link_bw=1e9, gpu=True)
+    options = {"shard_bytes": MIB, "num_ps": 4, "prefetch": True}
+    for n in (2, 4):
+        one = sim.simulate("dsgd", w, hw, COSTS, n, **options)
+        two = sim.simulate("dsgd", w, hw, COSTS, n, two_level=True, **options)
+        assert not two["two_level"]
+        assert (two["step_s"], two["worker0_s"], two["net_bytes"]) == \
+            (one["step_s"], one["worker0_s"], one["net_bytes"])
+    five = sim.simulate("dsgd", w, hw, COSTS, 5, two_level=True, **options)
+    assert five["two_level"] and set(five["root_calls"]) == {3}  # groups 2, 2 and 1 (direct)
+    with pytest.raises(ValueError, match="overlap"):
+        sim.simulate("dsgd", w, hw, COSTS, 8, two_level=True, overlap=False)

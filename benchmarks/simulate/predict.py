@@ -292,26 +292,41 @@ DEADLINE_WHAT_IFS = [
     ("buckets by deadline, pulled as soon as summed, metas with the last bucket",
      {"shard_bytes": DEADLINE_SHARD_BYTES, "deadline_min_bytes": DEADLINE_MIN_BYTES,
       "prefetch": True, "metas_with_last": True}),
+    # two-level aggregation (sim.TwoLevel: ceil(sqrt(N)) groups, each summed by a
+    # sub-aggregator PS before the bucket's root PS; not built)
+    ("buckets by deadline, pulled as soon as summed, two-level aggregation",
+     {"shard_bytes": DEADLINE_SHARD_BYTES, "deadline_min_bytes": DEADLINE_MIN_BYTES,
+      "prefetch": True, "two_level": True}),
+    ("the same, fp16 on the wire",
+     {"shard_bytes": DEADLINE_SHARD_BYTES, "deadline_min_bytes": DEADLINE_MIN_BYTES,
+      "prefetch": True, "two_level": True, "compression": "fp16"}),
+    ("buckets by deadline, pulled as soon as summed, two-level, metas with the last bucket",
+     {"shard_bytes": DEADLINE_SHARD_BYTES, "deadline_min_bytes": DEADLINE_MIN_BYTES,
+      "prefetch": True, "two_level": True, "metas_with_last": True}),
 ]
 
 
-def what_if_deadline(costs: sim.Costs, workers=WORKERS) -> list[dict]:
+def what_if_deadline(costs: sim.Costs, workers=WORKERS, what_ifs=None) -> list[dict]:
     """What would: dsgd (ResNet-50, V100, 25 Gb/s, one GPU per worker, one PS per
     node) with its buckets closed by deadline from the workload's gradient-ready
     profile (`sim.dsgd_layout`'s `deadline_min_bytes`), with and without each mean
-    pulled as soon as it is summed; ring allreduce beside it. Each row: the step,
-    its efficiency and worker 0's marks (where the step's end goes)."""
+    pulled as soon as it is summed, the metas riding with the last bucket, two-level
+    aggregation (`sim.TwoLevel`); ring allreduce beside it. Each row: the step,
+    its efficiency and worker 0's marks (where the step's end goes); `what_ifs`: a
+    part of DEADLINE_WHAT_IFS (default: all of it)."""
     w, _ = profiles.gpu_workload("resnet50", "V100")
     hw = sim.Hardware(link_bw=25 * GBIT)
     rows = []
     for n in workers:
         ring = sim.simulate("ring", w, hw, None, n)["step_s"]
-        for name, options in DEADLINE_WHAT_IFS:
+        for name, options in DEADLINE_WHAT_IFS if what_ifs is None else what_ifs:
             started = time.perf_counter()
             r = sim.simulate("dsgd", w, hw, costs, n, **options)
             rows.append({"workers": n, "what": name, "options": options, "step_s": r["step_s"],
                          "groups": r["groups"], "efficiency": w.compute_s / r["step_s"],
-                         "ring_efficiency": w.compute_s / ring, "worker0_s": r["worker0_s"]})
+                         "ring_efficiency": w.compute_s / ring, "worker0_s": r["worker0_s"],
+                         "root_fan_in": max(r["root_calls"]),
+                         "wall_s": time.perf_counter() - started})
             print(f"deadline what-if N={n} {name}: {100 * w.compute_s / r['step_s']:.1f} % "
                   f"({r['groups']} groups, {time.perf_counter() - started:.0f} s)", flush=True)
     return rows
@@ -324,9 +339,11 @@ def what_if_deadline_markdown(rows: list[dict]) -> str:
             + " |\n|---|" + "---:|" * len(ns) + "\n")
     body = ""
     for name, _ in DEADLINE_WHAT_IFS:
+        if not any((n, name) in by for n in ns):
+            continue
         body += f"| {name} | " + " | ".join(
             f"{100 * by[n, name]['efficiency']:.0f} % ({by[n, name]['groups']} groups)"
-            for n in ns) + " |\n"
+            if (n, name) in by else "–" for n in ns) + " |\n"
     ring = {r["workers"]: r["ring_efficiency"] for r in rows}
     return head + body + "| ring allreduce | " + " | ".join(
         f"{100 * ring[n]:.0f} %" for n in ns) + " |\n"

@@ -36,7 +36,15 @@ What is simulated (read from the code, `dsgd/worker/worker.py` and
   `metas_with_last=True` (also not built) there is no gather: each worker's
   meta rides with its last-ready bucket, sent once the backward pass ends, and
   that bucket's PS answers every worker with its mean and the N metas, when
-  the step is decided.
+  the step is decided. With `two_level=True` (not built either; `TwoLevel`) each
+  bucket is summed in two levels: the workers, in ceil(sqrt(N)) groups of
+  consecutive nodes, call their group's sub-aggregator (a PS actor on a node of
+  the group) with their parts; it handles each call as the root would (c_call),
+  sums them, puts the partial and calls the bucket's PS (its root) with it
+  (c_call); the root's node pulls the partials, the root sums them and puts the
+  mean; each sub-aggregator's call returns, it pulls the mean once, puts it again
+  in its own store and answers its group, whose workers pull it from there. At
+  N < `TWO_LEVEL_MIN_WORKERS` it is one level.
 - **dsgd, after the backward pass** (`overlap=False`, CPU workers): one object per
   PS group (`exchange_layout`), put and sent when the compute ends, metas riding
   with them; the worker waits for every answer, pulls every mean in parallel
@@ -459,21 +467,83 @@ def dsgd_layout(w: Workload, workers: int, shard_bytes: int, num_ps: int | None,
     return groups, asked
 
 
+# two_level (what-if, not built): below this many workers it is one level (N <= 4:
+# at most two groups of two, the root's fan-in falls by two and every part gains a hop).
+TWO_LEVEL_MIN_WORKERS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoLevel:
+    """Two-level aggregation's plan (a what-if, not built): per bucket, where each
+    worker's part goes. The N workers are cut into ceil(sqrt(N)) groups of consecutive
+    nodes; each group of two or more sends to a sub-aggregator, a PS actor on one of
+    its nodes (not the bucket's root, nor on the root's node where the group has
+    another; rotated over the group's PS by bucket, so different buckets' sub-
+    aggregators land on different nodes); a group of one, or one with no PS actor
+    but the root, sends straight to the root, as one level does."""
+
+    sub_of: tuple   # [bucket][worker]: the PS its part goes to (sub-aggregator or root)
+    members: tuple  # [bucket]: {sub-aggregator PS: (its workers)}
+    direct: tuple   # [bucket]: the workers sending straight to the root
+
+    def fan_in(self, b: int) -> int:
+        """Inputs the bucket's root sums: one partial per sub-aggregator, plus the direct parts."""
+        return len(self.members[b]) + len(self.direct[b])
+
+
+def two_level_plan(groups, ps_node: list[int], n: int) -> TwoLevel:
+    count = math.ceil(math.sqrt(n))
+    size, extra = divmod(n, count)
+    node_groups, first = [], 0
+    for i in range(count):  # consecutive nodes, the first `extra` groups one larger
+        m = size + (1 if i < extra else 0)
+        node_groups.append(range(first, first + m))
+        first += m
+    ps_on: dict = {}
+    for ps, node in enumerate(ps_node):
+        ps_on.setdefault(node, []).append(ps)
+    sub_of, members, direct = [], [], []
+    for b, (_, root, _, _) in enumerate(groups):
+        to, subs, straight = [root] * n, {}, []
+        for i, nodes in enumerate(node_groups):
+            cands = [p for v in nodes for p in ps_on.get(v, ()) if p != root]
+            apart = [p for p in cands if ps_node[p] != ps_node[root]]
+            cands = apart or cands
+            if len(nodes) < 2 or not cands:
+                straight.extend(nodes)
+                continue
+            sub = cands[(b + i) % len(cands)]
+            subs[sub] = tuple(nodes)
+            for u in nodes:
+                to[u] = sub
+        sub_of.append(tuple(to))
+        members.append(subs)
+        direct.append(tuple(straight))
+    return TwoLevel(tuple(sub_of), tuple(members), tuple(direct))
+
+
 def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
                   shard_bytes: int = 10_000_000, num_ps: int | None = None,
                   compression: str | None = None, overlap: bool = True,
                   prefetch: bool = False, steps: int = 5, tail_pieces: int = 0,
                   deadline_min_bytes: int = 0, metas_with_last: bool = False,
-                  link_log: list | None = None) -> dict:
+                  two_level: bool = False, link_log: list | None = None) -> dict:
     n = workers
     groups, asked = dsgd_layout(w, n, shard_bytes, num_ps, compression, overlap,
                                 tail_pieces, hw.link_bw, deadline_min_bytes)
+    if two_level and not overlap:
+        raise ValueError("two_level is a what-if of the overlapped exchange (overlap=True)")
     if n == 1:  # no exchange: the worker applies its own gradient
         return _single(w, hw, k, steps, groups)
     eng = Engine()
     cores = Cores(hw.host_cores)
     net = Network(eng, n, hw, k, cores, link_log)
     ps_node = [j % n for j in range(asked)]
+    # two_level (what-if, not built): each part goes to its group's sub-aggregator,
+    # which sums the group's parts and sends one partial to the bucket's root PS; the
+    # root's mean goes back the same way (TwoLevel). None: one level, as built.
+    tree = two_level_plan(groups, ps_node, n) if two_level and n >= TWO_LEVEL_MIN_WORKERS \
+        else None
     sender = [Serial() for _ in range(n)]     # the worker's sending thread (GIL)
     main = [Serial() for _ in range(n)]       # the worker's step thread
     d2h = [Serial() for _ in range(n)]
@@ -491,6 +561,19 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
 
     def hop(a: int, b: int) -> float:
         return k.rpc_s + (hw.link_latency_s if a != b else 0.0)
+
+    def to_ps(b: int, u: int) -> int:
+        """The PS actor worker u sends bucket b's part to, and whose node's store
+        it pulls b's mean from: the bucket's PS (its root), or u's sub-aggregator."""
+        return tree.sub_of[b][u] if tree else groups[b][1]
+
+    def mean_node(b: int, u: int) -> int:
+        return ps_node[to_ps(b, u)]
+
+    def count(s: int, what: str, b: int) -> None:
+        """One more transfer into (root_in) or out of (root_out) bucket b's root's node."""
+        c = state[s].setdefault(what, [0] * nb)
+        c[b] += 1
 
     def local_allreduce_s(nbytes: float) -> float:  # the D devices' mean (NVLink)
         d = hw.devices
@@ -518,12 +601,12 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         return cpu(cores, sender[u], t, k.put_s + wire / k.put_bw + k.call_s)
 
     def send_bucket(s: int, u: int, b: int) -> None:
-        wire, ps, _, _ = groups[b]
+        wire = groups[b][0]
         t = eng.now
         if hw.gpu:
             t = d2h[u].take(t, wire / hw.pcie_bw)
         t = put_and_call(u, t, wire)
-        eng.at(t + hop(u, ps_node[ps]), arrive, s, u, b)
+        eng.at(t + hop(u, mean_node(b, u)), arrive, s, u, b)
 
     def send_all(s: int, u: int) -> None:
         t = eng.now
@@ -536,12 +619,23 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         state[s].setdefault("sent", {})[u] = t
 
     def arrive(s: int, u: int, b: int) -> None:
-        wire, ps, _, _ = groups[b]
+        wire, ps = groups[b][0], to_ps(b, u)
         node = ps_node[ps]
+        to_root = ps == groups[b][1]
         if node == u:
-            handled(s, b)
-        else:  # Ray resolves the argument (pulls the part) before the call runs
+            handled(s, b) if to_root else sub_handled(s, b, ps)
+        elif to_root:  # Ray resolves the argument (pulls the part) before the call runs
+            count(s, "root_in", b)
             serve(u, node, wire, lambda t: eng.at(t, handled, s, b))
+        else:
+            serve(u, node, wire, lambda t: eng.at(t, sub_handled, s, b, ps))
+
+    def sum_and_put(ps: int, t: float, wire: float, parts: int, remote: int) -> float:
+        """A PS sums `parts` parts (`remote` of them pulled from other nodes: their
+        pages read fresh) and puts the result: when it is in its node's store."""
+        fresh = remote * wire / k.fresh_bw if k.fresh_bw else 0.0
+        return cpu(cores, ps_gil[ps], t,
+                   parts * wire / k.sum_bw + fresh + wire / k.mem_bw + k.put_s)
 
     def handled(s: int, b: int) -> None:
         wire, ps, _, _ = groups[b]
@@ -549,27 +643,88 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         st = state[s]
         t = cpu(cores, ps_gil[ps], eng.now, k.call_s + k.wake_s)
         st["arrived"][b] += 1
-        if st["arrived"][b] < n:
+        fan_in = tree.fan_in(b) if tree else n
+        if st["arrived"][b] < fan_in:
             return
-        fresh = (n - 1) * wire / k.fresh_bw if k.fresh_bw else 0.0
-        done = cpu(cores, ps_gil[ps], t, n * wire / k.sum_bw + fresh + wire / k.mem_bw + k.put_s)
-        for u in range(n):
+        if tree:  # the sub-aggregators' partials, the direct parts off the root's node
+            remote = sum(1 for p in tree.members[b] if ps_node[p] != node) + sum(
+                1 for u in tree.direct[b] if u != node)
+        else:
+            remote = n - 1
+        done = sum_and_put(ps, t, wire, fan_in, remote)
+        if overlap and metas_with_last and b == last:
+            mark(s, 0, "metas_gathered", done)
+        if not tree:
+            answer(s, b, range(n), done, node)
+            return
+        answer(s, b, tree.direct[b], done, node)
+        for sub in tree.members[b]:  # each sub-aggregator's call returns; it pulls the mean
+            eng.at(done + hop(node, ps_node[sub]), sub_pulls, s, b, sub)
+
+    def answer(s: int, b: int, users, done: float, node: int) -> None:
+        """Bucket b's mean is in `node`'s store at `done`: the calls of `users` (the
+        workers whose parts went to that node's PS) return."""
+        st = state[s]
+        for u in users:
             st["replies"][u][b] = done + hop(node, u)
         if not overlap:  # metas ride with the means: the answers are the decision
             if all(a == n for a in st["arrived"]):
-                for u in range(n):
+                for u in users:
                     eng.at(max(st["replies"][u]), read_all, s, u)
         elif prefetch:
-            for u in range(n):
+            for u in users:
                 eng.at(st["replies"][u][b], prefetch_one, s, u, b)
         if overlap and metas_with_last and b == last:
-            mark(s, 0, "metas_gathered", done)
-            for u in range(n):
+            for u in users:
                 eng.at(st["replies"][u][b], decided, s, u)
-        for u in range(n):
+        for u in users:
             if (u, b) in st.get("waiters", ()):
                 st["waiters"].discard((u, b))
                 eng.at(st["replies"][u][b], advance, s, u)
+
+    def sub_handled(s: int, b: int, sub: int) -> None:
+        """A sub-aggregator handles one of its group's calls (the root's per-call
+        cost); the last sums the group's parts, puts the partial sum and calls the
+        root with it (a caller's c_call)."""
+        wire, root = groups[b][0], groups[b][1]
+        st = state[s]
+        t = cpu(cores, ps_gil[sub], eng.now, k.call_s + k.wake_s)
+        got = st.setdefault("sub_arrived", {})
+        got[b, sub] = got.get((b, sub), 0) + 1
+        members = tree.members[b][sub]
+        if got[b, sub] < len(members):
+            return
+        node = ps_node[sub]
+        t = sum_and_put(sub, t, wire, len(members), sum(1 for u in members if u != node))
+        t = cpu(cores, ps_gil[sub], t, k.call_s)
+        eng.at(t + hop(node, ps_node[root]), partial_arrives, s, b, sub)
+
+    def partial_arrives(s: int, b: int, sub: int) -> None:
+        wire, root = groups[b][0], groups[b][1]
+        if ps_node[sub] == ps_node[root]:
+            handled(s, b)
+        else:  # the root's node pulls the partial before the call runs
+            count(s, "root_in", b)
+            serve(ps_node[sub], ps_node[root], wire, lambda t: eng.at(t, handled, s, b))
+
+    def sub_pulls(s: int, b: int, sub: int) -> None:
+        """A sub-aggregator's call to the root has returned: it pulls the mean once."""
+        wire, root = groups[b][0], groups[b][1]
+        if ps_node[sub] == ps_node[root]:
+            sub_serves(s, b, sub, remote=False)
+        else:
+            count(s, "root_out", b)
+            serve(ps_node[root], ps_node[sub], wire,
+                  lambda t: eng.at(t, sub_serves, s, b, sub, True))
+
+    def sub_serves(s: int, b: int, sub: int, remote: bool) -> None:
+        """The mean is on the sub-aggregator's node: it puts it in its own store (one
+        put, the root's result-put cost, its pulled pages read fresh) and answers its
+        group's calls, whose workers pull it from there."""
+        wire = groups[b][0]
+        fresh = wire / k.fresh_bw if remote and k.fresh_bw else 0.0
+        t = cpu(cores, ps_gil[sub], eng.now, fresh + wire / k.mem_bw + k.put_s)
+        answer(s, b, tree.members[b][sub], t, ps_node[sub])
 
     def pull(s: int, u: int, b: int) -> None:
         """Worker u starts pulling bucket b's mean now (once): it is in u's store
@@ -578,11 +733,12 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         if b in have:
             return
         have[b] = math.inf
-        wire, ps, _, _ = groups[b]
-        node = ps_node[ps]
+        wire, node = groups[b][0], mean_node(b, u)
         if node == u:
             pulled(s, u, b)
         else:
+            if to_ps(b, u) == groups[b][1]:
+                count(s, "root_out", b)
             serve(node, u, wire, lambda t: eng.at(t, pulled, s, u, b))
 
     def serve(src: int, dst: int, wire: float, then: Callable) -> None:
@@ -657,7 +813,7 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         have = pulled_by(st, u)
         # (only the means already on u's node: StepExchange.collect pulls nothing)
         new = [b for b in range(nb) if b not in have and st["replies"][u][b] <= eng.now
-               and ps_node[groups[b][1]] == u]
+               and mean_node(b, u) == u]
         for b in new:
             pull(s, u, b)
         if when == "metas":
@@ -738,7 +894,7 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
     def apply_time(u: int, stage, t: float) -> float:
         f32 = sum(groups[b][3] for b in stage)
         wire = sum(groups[b][0] for b in stage)
-        remote = sum(groups[b][0] for b in stage if ps_node[groups[b][1]] != u)
+        remote = sum(groups[b][0] for b in stage if mean_node(b, u) != u)
         seconds = k.apply_s + (remote / k.fresh_bw if k.fresh_bw else 0.0)
         if hw.gpu:
             t = cpu(cores, main[u], t, seconds)
@@ -760,9 +916,15 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
     for u in range(n):
         eng.at(0.0, start_step, 0, u, 0.0)
     eng.run()
+    last_step = state[steps - 1]
     return _result(ends, state, steps, n, groups=len(groups), num_ps=asked,
                    busy_ps=len({g[1] for g in groups}), net_bytes=net.bytes,
-                   worker0_s=marks.get(steps - 1, {}))
+                   worker0_s=marks.get(steps - 1, {}), two_level=tree is not None,
+                   # per bucket, in the last step: the calls its root PS handled, the
+                   # transfers into and out of the root's node for it
+                   root_calls=list(last_step["arrived"]),
+                   root_in=last_step.get("root_in", [0] * nb),
+                   root_out=last_step.get("root_out", [0] * nb))
 
 
 def _single(w: Workload, hw: Hardware, k: Costs, steps: int, groups) -> dict:
