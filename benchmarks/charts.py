@@ -312,6 +312,38 @@ def overlap(result: dict, path: str) -> None:
     _save(fig, path)
 
 
+def embeddings(result: dict, path: str) -> None:
+    """embeddings.py: step time, and bytes per worker and step against the bytes of
+    the rows a step touched, by table size and optimizer (today's dense exchange)."""
+    plt = _pyplot()
+    runs = result["runs"]
+    optimizers = sorted({r["optimizer"] for r in runs})
+    sizes = sorted({r["rows"] for r in runs})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    width = 0.8 / len(optimizers)
+    for k, opt in enumerate(optimizers):
+        by = {r["rows"]: r for r in runs if r["optimizer"] == opt}
+        xs = [i + k * width for i, n in enumerate(sizes) if n in by]
+        left.bar(xs, [1000 * by[n]["step_s"] for n in sizes if n in by], width, label=opt)
+    left.set_xticks([i + 0.4 - width / 2 for i in range(len(sizes))],
+                    [f"{n / 1e6:g}M rows" for n in sizes])
+    left.set_ylabel("median ms per step")
+    left.legend(fontsize=8)
+    left.set_title("step time, dense exchange", fontsize=10)
+    first = {r["rows"]: r for r in runs if r["optimizer"] == optimizers[0]}
+    xs = range(len(sizes))
+    right.bar([x - 0.2 for x in xs], [first[n]["bytes_per_worker_step"] / 2**20 for n in sizes],
+              0.4, label="moved (the whole table)", color="tab:red")
+    right.bar([x + 0.2 for x in xs], [first[n]["touched_bytes"] / 2**20 for n in sizes], 0.4,
+              label="the rows the batch touched", color="tab:green")
+    right.set_yscale("log")
+    right.set_xticks(list(xs), [f"{n / 1e6:g}M rows" for n in sizes])
+    right.set_ylabel("MiB per worker and step")
+    right.legend(fontsize=8)
+    right.set_title(f"x {result['runs'][0]['dim']} floats per row", fontsize=10)
+    _save(fig, path)
+
+
 def trace(result: dict, path: str) -> None:
     """A dsgd timeline (the Chrome trace `timeline=` writes): one lane per process and
     row, each span a bar, over the steps the trace's `window_steps` names (default
@@ -368,7 +400,7 @@ def trace(result: dict, path: str) -> None:
 
 KINDS = {"driver_cost": driver_cost, "comm": comm, "step_time": step_time, "overhead": overhead, "stragglers": stragglers,
          "ingest": ingest, "trainer_overhead": trainer_overhead, "chaos": chaos, "peers": peers,
-         "overlap": overlap}
+         "overlap": overlap, "embeddings": embeddings}
 
 # The charts benchmarks/README.md shows: PNG -> (chart, the JSON files it is drawn from).
 CHARTS = {
@@ -386,6 +418,7 @@ CHARTS = {
     "driver_cost.png": (driver_cost, ["driver_cost.json"]),
     "overlap.png": (overlap, ["overlap.json"]),
     "timeline_mnist.png": (trace, ["timeline_mnist.json"]),
+    "embeddings.png": (embeddings, ["embeddings.json"]),
 }
 
 
