@@ -333,9 +333,9 @@ def embeddings(result: dict, path: str) -> None:
     first = {r["rows"]: r for r in runs if r["optimizer"] == optimizers[0]}
     xs = range(len(sizes))
     right.bar([x - 0.2 for x in xs], [first[n]["bytes_per_worker_step"] / 2**20 for n in sizes],
-              0.4, label="moved (the whole table)", color="tab:red")
-    right.bar([x + 0.2 for x in xs], [first[n]["touched_bytes"] / 2**20 for n in sizes], 0.4,
-              label="the rows the batch touched", color="tab:green")
+              0.4, label="moved: the whole table, each way", color="tab:red")
+    right.bar([x + 0.2 for x in xs], [first[n]["touched_bytes_both_ways"] / 2**20 for n in sizes],
+              0.4, label="the rows the batch touched, each way", color="tab:green")
     right.set_yscale("log")
     right.set_xticks(list(xs), [f"{n / 1e6:g}M rows" for n in sizes])
     right.set_ylabel("MiB per worker and step")

@@ -13,13 +13,17 @@ examples per replica and step. For each table size and optimizer:
 * `bytes_per_worker_step`: what one worker sends to the PS actors and receives back
   each step, from the variables' sizes: today the table's gradient travels dense
   (every row, every step), 2 x (rows x dim + dim + 1) x 4 bytes;
-* `touched_rows_per_step` and `touched_bytes`: the distinct rows a replica's batch
-  looks up (mean over the measured steps) and their bytes with the ids (rows x dim x 4
-  + rows x 4): what a step would move if only touched rows travelled;
+* `touched_rows_per_batch` and `touched_bytes_both_ways`: the distinct rows one
+  replica's batch looks up (mean over the measured steps), and their bytes with their
+  ids, sent and received as the dense figure is (2 x rows x (dim x 4 + 4)): about what
+  a worker's step would move if only the rows it touched travelled;
 * `worker_memory_bytes` / `worker_own_memory_growth_bytes`: each worker process's
   resident memory after the steps (its own, `RssAnon`; the object store's pages it
   touched, `RssShmem`; the peak of both, `VmHWM`), and the growth of its own over the
-  same run with a 1,000-row table (measured first, one PS), against the table's bytes.
+  same run with a 1,000-row table (measured first; with one PS, as its gradient makes
+  one shard: a worker holds none of a PS's memory), against the table's bytes. The
+  peak includes the store's pages; the growth, read after the steps, does not include
+  the step's transient dense gradient.
 
 This is path (a) of the issue on embedding tables, today's dense exchange; paths
 (b) sparse exchange and (c) tables on the PS are not built. JSON to
@@ -118,8 +122,8 @@ def measure(rows: int, dim: int, optimizer: str, steps: int, batch: int,
     return {"rows": rows, "dim": dim, "optimizer": optimizer, "table_bytes": rows * dim * 4,
             "step_s": statistics.median(times), "step_times_s": times,
             "bytes_per_worker_step": 2 * params * 4,
-            "touched_rows_per_step": mean_touched,
-            "touched_bytes": mean_touched * (dim * 4 + 4),
+            "touched_rows_per_batch": mean_touched,
+            "touched_bytes_both_ways": 2 * mean_touched * (dim * 4 + 4),
             "worker_memory_bytes": rss, "wall_s": time.perf_counter() - started}
 
 
@@ -151,8 +155,8 @@ def main(argv=None) -> dict:
             runs.append(run)
             print(f"{optimizer} {rows:>10,} rows x {args.dim}: step {1e3 * run['step_s']:8.1f} ms, "
                   f"{run['bytes_per_worker_step'] / 2**20:7.1f} MiB/worker/step "
-                  f"({run['touched_rows_per_step']:,.0f} rows touched: "
-                  f"{run['touched_bytes'] / 2**20:.2f} MiB), worker memory +"
+                  f"({run['touched_rows_per_batch']:,.0f} rows touched: "
+                  f"{run['touched_bytes_both_ways'] / 2**20:.2f} MiB), worker memory +"
                   f"{run['growth_over_table']:.2f} x the table", flush=True)
     ray.shutdown()
     result = {"benchmark": "embeddings", "path": "(a) dense exchange (today's only path)",

@@ -142,9 +142,8 @@ def test_ctr_example_learns_click_rates_and_its_replicas_agree(capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert result["steps"] == 60 and result["tables_bytes"] == 26 * 2000 * 8 * 4
     assert result["final_loss"] < result["first_loss"]
-    # evaluate() asserted the replicas agree; the hidden model's own AUC is ~0.87
+    # (evaluate() asserted that the replicas agree)
     assert result["test_auc"] > result["untrained_test_auc"] + 0.05
-    assert result["examples_per_s"] > 0
 
 
 def test_ctr_data_is_criteo_shaped_fixed_by_its_seed_and_bad_arguments_are_named(capsys):
@@ -158,6 +157,7 @@ def test_ctr_data_is_criteo_shaped_fixed_by_its_seed_and_bad_arguments_are_named
     for a, b in zip((dense, ids, clicks), ctr.make_data(20000, 1000, 1.1, seed=3)):
         np.testing.assert_array_equal(a, b)
     for bad, named in ((["--rows", "0"], "--rows"), (["--zipf", "-1"], "--zipf"),
+                       (["--lr", "0"], "--lr"), (["--eval-every", "-5"], "--eval-every"),
                        (["--examples", "100"], "--examples")):
         with pytest.raises(SystemExit):
             ctr.parse_args(bad)

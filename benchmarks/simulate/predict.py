@@ -325,7 +325,7 @@ def what_if_deadline(costs: sim.Costs, workers=WORKERS, what_ifs=None) -> list[d
             rows.append({"workers": n, "what": name, "options": options, "step_s": r["step_s"],
                          "groups": r["groups"], "efficiency": w.compute_s / r["step_s"],
                          "ring_efficiency": w.compute_s / ring, "worker0_s": r["worker0_s"],
-                         "root_fan_in": max(r["root_calls"]),
+                         "root_fan_in": max(r.get("root_calls") or [0]),
                          "wall_s": time.perf_counter() - started})
             print(f"deadline what-if N={n} {name}: {100 * w.compute_s / r['step_s']:.1f} % "
                   f"({r['groups']} groups, {time.perf_counter() - started:.0f} s)", flush=True)
@@ -408,7 +408,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=os.path.join(RESULTS, "simulate_predictions.json"))
     p.add_argument("--quick", action="store_true", help="ResNet-50 only")
     p.add_argument("--deadline", action="store_true",
-                   help="only the buckets-by-deadline what-if, to "
+                   help="only the buckets-by-deadline and two-level what-ifs, to "
                         "results/simulate_deadline_what_if.json")
     args = p.parse_args(argv)
     with open(args.calibration) as f:

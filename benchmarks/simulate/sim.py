@@ -492,6 +492,9 @@ class TwoLevel:
 
 
 def two_level_plan(groups, ps_node: list[int], n: int) -> TwoLevel:
+    """The `TwoLevel` plan of `n` workers (one per node) for the simulator's buckets
+    `groups` (tuples whose second item is the bucket's root PS), with PS actor j on
+    node `ps_node[j]`."""
     count = math.ceil(math.sqrt(n))
     size, extra = divmod(n, count)
     node_groups, first = [], 0
@@ -623,7 +626,10 @@ def simulate_dsgd(w: Workload, hw: Hardware, k: Costs, workers: int, *,
         node = ps_node[ps]
         to_root = ps == groups[b][1]
         if node == u:
-            handled(s, b) if to_root else sub_handled(s, b, ps)
+            if to_root:
+                handled(s, b)
+            else:
+                sub_handled(s, b, ps)
         elif to_root:  # Ray resolves the argument (pulls the part) before the call runs
             count(s, "root_in", b)
             serve(u, node, wire, lambda t: eng.at(t, handled, s, b))

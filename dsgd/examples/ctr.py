@@ -10,7 +10,7 @@ categorical ones, each an id among `--rows` ids drawn from a Zipf law (exponent
 Clicks come from a hidden logistic model of both (a weight per dense feature, an
 effect per id of the first 13 categorical features, an intercept that makes
 the click rate Criteo's 25 %), so a model can learn them: the test AUC rises
-well above 0.5 (the hidden model's own AUC is about 0.87 at the defaults).
+well above 0.5.
 `--seed` fixes everything; the last 10 % of the examples are the test set, the
 rest are shared out among the replicas.
 
@@ -24,7 +24,7 @@ Adagrad, binary cross-entropy.
 Cost of the tables: dsgd exchanges a table's gradient as a dense tensor today,
 every row every step (26 x rows x dim x 4 bytes through the parameter servers,
 8.3 MB at the defaults), however few rows the batch touched; so keep `--rows`
-to what a dense exchange carries (docs/examples.md).
+to what a dense exchange carries (docs/embeddings.md).
 
 Starts an embedded local Ray cluster unless `--address` names one. Prints the
 test AUC every `--eval-every` steps and, at the end, one JSON line with the
@@ -87,7 +87,6 @@ def split(examples: int, rows: int, zipf: float, seed: int):
 def build_dlrm(rows: int, dim: int):
     """The DLRM: inputs {"dense": (13,) float32, "ids": (26,) int32}, one logit out."""
     import keras
-    import tensorflow as tf
 
     dense_in = keras.Input((DENSE,), name="dense")
     ids_in = keras.Input((CATEGORICAL,), dtype="int32", name="ids")
@@ -100,7 +99,7 @@ def build_dlrm(rows: int, dim: int):
     dots = keras.ops.matmul(stacked, keras.ops.transpose(stacked, (0, 2, 1)))
     upper = np.triu_indices(CATEGORICAL + 1, k=1)  # each pair once
     pairs = keras.ops.take(keras.ops.reshape(dots, (-1, (CATEGORICAL + 1) ** 2)),
-                           tf.constant(upper[0] * (CATEGORICAL + 1) + upper[1]), axis=1)
+                           upper[0] * (CATEGORICAL + 1) + upper[1], axis=1)
     top = keras.layers.Concatenate(name="interactions")([bottom, pairs])
     top = keras.layers.Dense(64, activation="relu", name="top_1")(top)
     logit = keras.layers.Dense(1, name="logit")(top)
@@ -114,7 +113,7 @@ class CtrModel(dsgd.KerasModel):
         import keras
         import tensorflow as tf
 
-        keras.utils.set_random_seed(args.seed)  # every replica starts alike (checked by dsgd)
+        keras.utils.set_random_seed(args.seed)  # the same initial weights on every run
         (dense, ids, clicks), self.test = split(args.examples, args.rows, args.zipf, args.seed)
         data = (tf.data.Dataset.from_tensor_slices(({"dense": dense, "ids": ids}, clicks))
                 .shard(num_replicas, replica)
@@ -160,8 +159,11 @@ def parse_args(argv=None):
     for name in ("num_workers", "devices_per_worker", "steps", "batch_size", "rows", "dim"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.zipf <= 0 or args.lr <= 0:
-        p.error(f"--zipf and --lr must be > 0, got {args.zipf} and {args.lr}")
+    for name in ("zipf", "lr"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name} must be > 0, got {getattr(args, name)}")
+    if args.eval_every < 0:
+        p.error(f"--eval-every must be 0 (only at the end) or more, got {args.eval_every}")
     replicas = args.num_workers * args.devices_per_worker
     train = args.examples - max(1, int(args.examples * TEST_SHARE))
     if train < replicas * args.batch_size:
